@@ -1,0 +1,69 @@
+"""kernelpytorch: a torch.compile backend.
+
+    model = torch.compile(model, backend="kernelpytorch", options={"dump_dir": "kpt_dump"})
+
+Importing this package registers the backend (the ``torch_dynamo_backends`` entry point does the same for a
+process that never imports it). ``last_report()`` says what the compiler did to the newest graph.
+"""
+
+from __future__ import annotations
+
+from .backend import BACKEND_NAME, kernelpytorch
+from .options import CompileOptions, OptionError, parse_options
+from .pipeline import (
+    DEFAULT_PIPELINE,
+    GraphPass,
+    PassContext,
+    PassFailed,
+    PassSkipped,
+    describe_pipeline,
+    graph_pass,
+    register_pass,
+    registered_passes,
+    unregister_pass,
+)
+from .report import GraphReport, clear_reports, last_report, reports
+from .target import Target, detect_target
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "kernelpytorch",
+    "CompileOptions",
+    "OptionError",
+    "parse_options",
+    "GraphPass",
+    "PassContext",
+    "PassFailed",
+    "PassSkipped",
+    "graph_pass",
+    "register_pass",
+    "unregister_pass",
+    "registered_passes",
+    "DEFAULT_PIPELINE",
+    "describe_pipeline",
+    "GraphReport",
+    "last_report",
+    "reports",
+    "clear_reports",
+    "Target",
+    "detect_target",
+]
+
+
+def _register_backend() -> None:
+    """Register with Dynamo unless its entry-point discovery already will.
+
+    When Dynamo loads our entry point it imports this package and registers the loaded function itself;
+    registering here as well would make it fail with "duplicate name".
+    """
+    from importlib.metadata import EntryPoint
+
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME in registry._COMPILER_FNS or isinstance(registry._BACKENDS.get(BACKEND_NAME), EntryPoint):
+        return
+    registry.register_backend(compiler_fn=kernelpytorch, name=BACKEND_NAME)
+
+
+_register_backend()

@@ -1,0 +1,98 @@
+"""The backend: ``torch.compile(model, backend="kernelpytorch", mode=..., options={...})`` lands here.
+
+One call per graph Dynamo captures:
+  options  -> parse and validate (OptionError names the key and the valid choices)
+  target   -> the device of the example inputs, checked against options["device"]
+  pre_aot  -> our pre-AOT passes on the Dynamo graph
+  host     -> Inductor (cuda, cpu), eager (codegen="eager") or torch_xla (xla), each running AOTAutograd
+              and calling back into the joint / forward / backward stages
+  report   -> a GraphReport (kpt_compiler.last_report()) and, with dump_dir, files and index.html
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import report as report_mod
+from .hosts import HOSTS
+from .options import CompileOptions, OptionError, parse_options
+from .pipeline import CompileRun
+from .target import Target, detect_target
+
+__all__ = ["kernelpytorch", "BACKEND_NAME"]
+
+BACKEND_NAME = "kernelpytorch"
+
+
+def _choose_host(options: CompileOptions, target: Target) -> str:
+    if target.device == "xla":
+        if options.codegen != "auto":
+            raise OptionError(
+                f"options['codegen']={options.codegen!r} applies to cuda and cpu; XLA graphs are lowered by "
+                "torch_xla's dynamo bridge. Leave codegen='auto' on XLA."
+            )
+        if options.mode != "default":
+            raise OptionError(
+                f"mode={options.mode!r} is an Inductor mode (CUDA graphs, autotuning) and XLA cannot honour it; "
+                "leave mode='default' on XLA"
+            )
+        return "xla"
+    if options.codegen == "eager":
+        if options.mode != "default":
+            raise OptionError(
+                f"mode={options.mode!r} needs Inductor to generate code; it cannot be honoured with "
+                "codegen='eager'. Use codegen='inductor' (the default) or mode='default'."
+            )
+        if options.inductor:
+            raise OptionError("options['inductor'] configures Inductor, which codegen='eager' does not use")
+        return "eager"
+    return "inductor"
+
+
+def _compile_id() -> str:
+    try:
+        cid = torch._guards.CompileContext.current_compile_id()
+        return str(cid) if cid is not None else "-"
+    except Exception:  # noqa: BLE001 - only a label
+        return "-"
+
+
+def kernelpytorch(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    **unexpected: Any,
+) -> Callable:
+    """Compile one Dynamo graph. Registered as ``torch.compile(backend="kernelpytorch")``."""
+    if unexpected:
+        raise OptionError(
+            f"backend 'kernelpytorch' takes mode= and options=; got {sorted(unexpected)}. "
+            "Put kernelpytorch settings in options={...}."
+        )
+    start = time.perf_counter()
+    opts = parse_options(mode, options)
+    target = detect_target(example_inputs, opts)
+    host = _choose_host(opts, target)
+    graph_report = report_mod._new_report(
+        compile_id=_compile_id(), host=host, target=target.to_dict(), options=opts.to_dict()
+    )
+    dump = None
+    if opts.dump_dir:
+        from .dump import DumpWriter
+
+        dump = DumpWriter.for_dir(opts.dump_dir)
+    run = CompileRun(gm, opts, target, graph_report, dump=dump)
+    run.check_requested_passes()
+    if dump is not None:
+        dump.begin_graph(graph_report, run)
+    run.run_stage(gm, "pre_aot", is_inference=not torch.is_grad_enabled())
+    compiled = HOSTS[host](gm, example_inputs, run)
+    graph_report.compile_ms = (time.perf_counter() - start) * 1e3
+    if dump is not None:
+        dump.end_graph(graph_report)
+    return compiled

@@ -1,0 +1,248 @@
+"""Dumps: every compiled graph as readable, runnable code before the pipeline and after each pass that
+changed it, with diffs, op counts, timings and statuses; ``summary.json`` and ``index.html`` over them all.
+
+Layout under ``dump_dir`` (set by options["dump_dir"] or the KPT_DUMP_DIR environment variable)::
+
+    summary.json                  per compiled graph: each pass that ran (name, stage, status, matches, time)
+    index.html                    the same in a browser, with pictures of the regions each pass changed
+    graph_000/                    one folder per graph Dynamo handed the backend, numbered in compile order
+        options.json              the validated options and the pipeline
+        pre_aot/ joint/ forward/ backward/
+            00_input.py           the graph as this stage received it (python 00_input.py runs it)
+            01_<pass>.py          the graph after each pass that changed it
+            01_<pass>.diff        what that pass changed (unified diff of the two files above)
+            passes.json           every pass of the stage: status, matches, time, op counts before/after
+
+A dump folder holds one process's compiles: the first compile that writes to it removes what an earlier
+process left there (only the files and folders named above).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from . import graph_utils
+from .report import GraphReport, PassRecord, StageRecord, reports
+
+__all__ = ["DumpWriter", "runnable_source"]
+
+_MARKER = ".kernelpytorch-dump"
+_lock = threading.Lock()
+_WRITERS: dict[str, "DumpWriter"] = {}
+
+
+class DumpWriter:
+    @classmethod
+    def for_dir(cls, path: str) -> "DumpWriter":
+        root = os.path.abspath(path)
+        with _lock:
+            if root not in _WRITERS:
+                _WRITERS[root] = cls(root)
+            return _WRITERS[root]
+
+    def __init__(self, root: str):
+        self.root = root
+        self.graphs: list[GraphReport] = []
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(os.path.join(root, _MARKER)):
+            for name in os.listdir(root):
+                if re.fullmatch(r"graph_\d{3,}", name):
+                    shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            for name in ("summary.json", "index.html"):
+                if os.path.exists(os.path.join(root, name)):
+                    os.remove(os.path.join(root, name))
+        with open(os.path.join(root, _MARKER), "w") as f:
+            f.write("written by kernelpytorch; the graph_* folders, summary.json and index.html are replaced by the next run\n")
+
+    # ------------------------------------------------------------------ graph
+    def begin_graph(self, report: GraphReport, run) -> None:
+        from .pipeline import describe_pipeline
+
+        report.folder = f"graph_{len(self.graphs):03d}"
+        self.graphs.append(report)
+        os.makedirs(self._path(report.folder), exist_ok=True)
+        _write_json(self._path(report.folder, "options.json"), {
+            "compile_id": report.compile_id,
+            "host": report.host,
+            "target": report.target,
+            "options": report.options,
+            "pipeline": describe_pipeline(run.options, run.target).splitlines(),
+        })
+
+    def end_graph(self, report: GraphReport) -> None:
+        self.refresh()
+
+    # ------------------------------------------------------------------ stage
+    def begin_stage(self, report: GraphReport, stage: StageRecord, gm: fx.GraphModule, code: str) -> None:
+        stage.folder = f"{report.folder}/{stage.stage}"
+        os.makedirs(self._path(stage.folder), exist_ok=True)
+        self._write_code(report, stage, gm, "00_input.py", "the graph as this stage received it", code)
+
+    def write_pass(self, report: GraphReport, stage: StageRecord, rec: PassRecord, gm: fx.GraphModule,
+                   code: str) -> None:
+        if rec.status != "applied":
+            return
+        n = sum(1 for p in stage.passes if p.status == "applied")
+        base = f"{n:02d}_{rec.name}"
+        what = f"after pass {rec.name!r} ({rec.matches} matches, {rec.time_ms:.1f} ms)"
+        rec.code_file = f"{stage.folder}/{base}.py"
+        self._write_code(report, stage, gm, f"{base}.py", what, code)
+        rec.diff_file = f"{stage.folder}/{base}.diff"
+        with open(self._path(rec.diff_file), "w") as f:
+            f.write(rec.diff or "")
+
+    def end_stage(self, report: GraphReport, stage: StageRecord) -> None:
+        _write_json(self._path(stage.folder, "passes.json"), {
+            "stage": stage.stage,
+            "is_inference": stage.is_inference,
+            "nodes_before": stage.nodes_before,
+            "nodes_after": stage.nodes_after,
+            "ops_before": stage.ops_before,
+            "ops_after": stage.ops_after,
+            "time_ms": round(stage.time_ms, 3),
+            "passes": [
+                {**p.summary(), "ops_before": p.ops_before, "ops_after": p.ops_after,
+                 "code_file": p.code_file, "diff_file": p.diff_file}
+                for p in stage.passes
+            ],
+        })
+        self.refresh()
+
+    # ------------------------------------------------------------------ helpers
+    def refresh(self) -> None:
+        """Rewrite summary.json and index.html from the reports (the backward stage arrives late)."""
+        from .html_report import render_index
+
+        _write_json(self._path("summary.json"), {
+            "torch": torch.__version__,
+            "graphs": [r.to_dict() for r in self.graphs],
+        })
+        with open(self._path("index.html"), "w") as f:
+            f.write(render_index(self.graphs))
+
+    def _path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def _write_code(self, report, stage, gm, filename, what, code):
+        header = (
+            f"# kernelpytorch dump | {report.folder} (compile id {report.compile_id}) | stage {stage.stage} | {what}\n"
+            f"# torch {torch.__version__} | target {report.target.get('name')} | run: python {filename}\n"
+        )
+        with open(self._path(stage.folder, filename), "w") as f:
+            f.write(runnable_source(gm, header, code))
+
+
+_PREAMBLE = """\
+import math
+
+import torch
+from torch import device  # noqa: F401  (printed graphs name devices as device(...))
+
+import kpt_compiler  # noqa: F401  (registers the custom ops kernelpytorch's passes insert)
+
+inf, nan = math.inf, math.nan
+
+"""
+
+_MAIN = """
+
+# ---- run it on random inputs with the shapes and dtypes recorded at compile time ----------------------
+_INPUTS = {inputs!r}
+_ATTRS = {attrs!r}
+
+
+def _make(spec):
+    kind = spec[0]
+    if kind == "tensor":
+        _, shape, dtype, dev = spec
+        dev = dev if (not dev.startswith("cuda") or torch.cuda.is_available()) else "cpu"
+        dtype = getattr(torch, dtype)
+        if dtype.is_floating_point or dtype.is_complex:
+            return torch.randn(shape, device=dev).to(dtype)
+        if dtype == torch.bool:
+            return torch.ones(shape, dtype=dtype, device=dev)
+        return torch.zeros(shape, dtype=dtype, device=dev)
+    return spec[1]
+
+
+if __name__ == "__main__":
+    module = {cls}()
+    for name, spec in _ATTRS.items():
+        value = getattr({cls}, spec[1])() if spec[0] == "module" else _make(spec)
+        owner = module
+        *path, leaf = name.split(".")
+        for p in path:
+            owner = getattr(owner, p)
+        setattr(owner, leaf, value)
+    out = module(*[_make(s) for s in _INPUTS])
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    for i, o in enumerate(outs):
+        desc = f"{{tuple(o.shape)}} {{o.dtype}}" if isinstance(o, torch.Tensor) else repr(o)
+        print(f"output {{i}}: {{desc}}")
+"""
+
+
+def _spec_of(value: Any) -> tuple:
+    if isinstance(value, torch.Tensor):
+        shape = [_hint(s) for s in value.shape]
+        return ("tensor", shape, str(value.dtype).replace("torch.", ""), str(value.device))
+    if isinstance(value, torch.SymInt):
+        return ("value", _hint(value))
+    if isinstance(value, (int, float, bool)) or value is None:
+        return ("value", value)
+    return ("value", None)
+
+
+def _hint(s: Any) -> int:
+    if isinstance(s, int):
+        return s
+    try:
+        return int(s.node.hint)
+    except Exception:  # noqa: BLE001 - an unbacked size: any small positive size will do
+        return 2
+
+
+def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) -> str:
+    """The graph as a Python file that defines its module and, run as a script, runs it on random inputs."""
+    code = code if code is not None else graph_utils.readable_code(gm)
+    match = re.match(r"class (\w+)\(", code)
+    cls = match.group(1) if match else "GraphModule"
+    inputs = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            inputs.append(_spec_of(node.meta.get("val", node.meta.get("example_value"))))
+    attrs: dict[str, tuple] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        try:
+            obj = gm.get_submodule(node.target) if "." not in node.target and isinstance(
+                getattr(gm, node.target, None), torch.nn.Module) else _get_attr(gm, node.target)
+        except AttributeError:
+            continue
+        if isinstance(obj, fx.GraphModule):
+            attrs[node.target] = ("module", node.target)
+        elif isinstance(obj, torch.Tensor):
+            attrs[node.target] = _spec_of(obj)
+    return header + _PREAMBLE + code + _MAIN.format(inputs=inputs, attrs=attrs, cls=cls)
+
+
+def _get_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+        f.write("\n")

@@ -1,0 +1,282 @@
+"""Compile options: one validated, frozen object built from ``torch.compile(..., mode=, options=)``.
+
+Every options class here and in the passes is a frozen dataclass. ``build_options`` turns a user's dict into
+one, checking each key and value against the dataclass's fields and type hints, so that a typo or a wrong type
+fails with a message that names the key, what was given and what is allowed. A pass's ``__post_init__`` adds
+the checks that types alone cannot express.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from typing import Any, Literal, Mapping
+
+__all__ = ["OptionError", "CompileOptions", "build_options", "parse_options", "MODES"]
+
+# The modes torch.compile documents, with the meaning Inductor gives them (torch._inductor.list_mode_options).
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+ENV_DUMP_DIR = "KPT_DUMP_DIR"  # sets dump_dir when the options do not
+ENV_DISABLE = "KPT_DISABLE"  # comma-separated pass names to switch off, for bisecting without editing code
+ENV_STRICT = "KPT_STRICT"  # "1": a failing pass raises instead of stepping aside
+
+
+class OptionError(ValueError):
+    """A compile option is unknown, of the wrong type, or cannot be honoured on this device."""
+
+
+def _closest(key: str, valid: list[str]) -> str:
+    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    return f"; did you mean {near[0]!r}?" if near else ""
+
+
+def unknown_key_error(key: str, valid: list[str], where: str) -> OptionError:
+    return OptionError(
+        f"unknown option {key!r} in {where}{_closest(key, valid)} Valid options: {', '.join(sorted(valid))}."
+    )
+
+
+def _describe_type(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe_type(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "None"
+    if origin in (tuple, list):
+        args = typing.get_args(tp)
+        return f"a list of {_describe_type(args[0])}" if args else "a list"
+    if origin in (dict, collections.abc.Mapping) or tp is dict:
+        return "a dict"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Return (ok, value converted to the field's type) for the simple types options use."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True, value
+    if origin is Literal:
+        return (value in typing.get_args(tp)), value
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, v = _coerce(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if tp is str:
+        return isinstance(value, str), value
+    if origin in (tuple, list):
+        if isinstance(value, str) or not isinstance(value, (list, tuple)):
+            return False, value
+        (arg, *_rest) = typing.get_args(tp) or (Any,)
+        out = []
+        for item in value:
+            ok, v = _coerce(item, arg)
+            if not ok:
+                return False, value
+            out.append(v)
+        return True, tuple(out)
+    if origin in (dict, collections.abc.Mapping) or tp is dict:
+        return isinstance(value, Mapping), types.MappingProxyType(dict(value)) if isinstance(value, Mapping) else value
+    return isinstance(value, tp), value
+
+
+def build_options(cls: type, given: Mapping[str, Any] | None, where: str) -> Any:
+    """Build the frozen dataclass ``cls`` from a user's dict, with errors that name the key (see module doc)."""
+    given = dict(given or {})
+    if not isinstance(given, dict):
+        raise OptionError(f"{where} must be a dict, got {type(given).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in given.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name not in fields:
+            raise unknown_key_error(str(key), list(fields), where)
+        ok, converted = _coerce(value, hints[name])
+        if not ok:
+            raise OptionError(
+                f"option {key!r} in {where} must be {_describe_type(hints[name])}; got {value!r}"
+                f" ({type(value).__name__})"
+            )
+        kwargs[name] = converted
+    try:
+        return cls(**kwargs)
+    except OptionError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise OptionError(f"{where}: {e}") from e
+
+
+def options_to_dict(obj: Any) -> dict[str, Any]:
+    """The inverse of build_options: a plain dict that builds the same object again."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            v = options_to_dict(v)
+        elif isinstance(v, Mapping):
+            v = {k: options_to_dict(x) if dataclasses.is_dataclass(x) else x for k, x in v.items()}
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """Everything one ``torch.compile(..., backend="kernelpytorch")`` call asked for, validated.
+
+    ``passes`` maps each registered pass name to ``(enabled, its options dataclass)``. Users do not fill it
+    directly: ``options={"attention": False}`` or ``options={"fp8": {"granularity": "rowwise"}}`` do.
+    """
+
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
+    device: Literal["auto", "cuda", "cpu", "xla"] = "auto"
+    codegen: Literal["auto", "inductor", "eager"] = "auto"
+    dump_dir: str | None = None
+    strict: bool = False
+    disable: tuple[str, ...] = ()
+    pipeline: tuple[str, ...] | None = None
+    inductor: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    passes: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+    def __post_init__(self):
+        from .pipeline import registered_passes
+
+        known = registered_passes()
+        for name in self.disable:
+            if _pass_name(name) not in known:
+                raise unknown_key_error(name, list(known), "options['disable'] (pass names)")
+        if self.pipeline is not None:
+            seen = set()
+            for name in self.pipeline:
+                if _pass_name(name) not in known:
+                    raise unknown_key_error(name, list(known), "options['pipeline'] (pass names)")
+                if _pass_name(name) in seen:
+                    raise OptionError(f"options['pipeline'] names pass {name!r} twice")
+                seen.add(_pass_name(name))
+        if self.inductor:
+            from torch._inductor import config as inductor_config
+
+            valid = list(inductor_config.get_config_copy())
+            for key in self.inductor:
+                if key not in valid:
+                    raise unknown_key_error(key, valid, "options['inductor'] (torch._inductor.config)")
+
+    # ------------------------------------------------------------------ queries the pipeline asks
+    def pass_enabled(self, name: str) -> bool:
+        return self.passes[name].enabled and name not in {_pass_name(n) for n in self.disable}
+
+    def pass_options(self, name: str) -> Any:
+        return self.passes[name].options
+
+    def to_dict(self) -> dict[str, Any]:
+        """A dict that ``parse_options(None, d)`` turns back into an equal object."""
+        out = {k: v for k, v in options_to_dict(self).items() if k != "passes"}
+        for name, setting in self.passes.items():
+            has_fields = bool(dataclasses.fields(setting.options))
+            out[name.replace("-", "_")] = options_to_dict(setting.options) if setting.enabled and has_fields else setting.enabled
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PassSetting:
+    """One pass as the options left it: on or off, its options object, and whether the user asked for it."""
+
+    enabled: bool
+    options: Any
+    explicit: bool = False
+
+
+def _pass_name(key: str) -> str:
+    return key.replace("_", "-")
+
+
+_TOP_LEVEL = [f.name for f in dataclasses.fields(CompileOptions) if f.name != "passes"]
+
+
+def parse_options(mode: str | None, options: Mapping[str, Any] | None) -> CompileOptions:
+    """Turn torch.compile's ``mode`` and ``options`` into a CompileOptions, or raise OptionError."""
+    from .pipeline import registered_passes
+
+    if options is not None and not isinstance(options, Mapping):
+        raise OptionError(f"options must be a dict, got {type(options).__name__}")
+    options = dict(options or {})
+    if mode is not None and mode != "default":
+        if "mode" in options and options["mode"] != mode:
+            raise OptionError(f"mode={mode!r} and options['mode']={options['mode']!r} disagree; give one")
+        options["mode"] = mode
+    if ENV_DUMP_DIR in os.environ and "dump_dir" not in options:
+        options["dump_dir"] = os.environ[ENV_DUMP_DIR] or None
+    if os.environ.get(ENV_STRICT) == "1" and "strict" not in options:
+        options["strict"] = True
+    if os.environ.get(ENV_DISABLE):
+        extra = [n.strip() for n in os.environ[ENV_DISABLE].split(",") if n.strip()]
+        options["disable"] = list(options.get("disable", ())) + extra
+    if isinstance(options.get("pipeline"), str):
+        options["pipeline"] = [n.strip() for n in options["pipeline"].split(",") if n.strip()]
+
+    known = registered_passes()
+    top, pass_given = {}, {}
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise OptionError(f"option keys must be strings, got {key!r}")
+        if key in _TOP_LEVEL:
+            top[key] = value
+        elif _pass_name(key) in known:
+            pass_given[_pass_name(key)] = value
+        else:
+            raise _unknown_top_level(key, _TOP_LEVEL + [n.replace("-", "_") for n in known])
+
+    passes: dict[str, PassSetting] = {}
+    for name, spec in known.items():
+        value = pass_given.get(name, None)
+        where = f"options[{name.replace('-', '_')!r}]"
+        if value is None:
+            passes[name] = PassSetting(spec.default, build_options(spec.options, {}, where))
+        elif isinstance(value, bool):
+            passes[name] = PassSetting(value, build_options(spec.options, {}, where), explicit=value)
+        elif isinstance(value, Mapping):
+            passes[name] = PassSetting(True, build_options(spec.options, value, where), explicit=True)
+        else:
+            raise OptionError(
+                f"option {name.replace('-', '_')!r} must be True, False or a dict of the pass's options"
+                f" ({_field_list(spec.options)}); got {value!r}"
+            )
+    return build_options(CompileOptions, {**top, "passes": passes}, "options")
+
+
+def _field_list(cls: type) -> str:
+    names = [f.name for f in dataclasses.fields(cls)]
+    return ", ".join(names) if names else "it has none"
+
+
+def _unknown_top_level(key: str, valid: list[str]) -> OptionError:
+    try:
+        from torch._inductor import config as inductor_config
+
+        if key.replace("-", "_") in inductor_config.get_config_copy():
+            return OptionError(
+                f"{key!r} is an Inductor option, not a kernelpytorch one: pass it as "
+                f"options={{'inductor': {{{key!r}: ...}}}}. Valid kernelpytorch options: {', '.join(sorted(valid))}."
+            )
+    except ImportError:  # pragma: no cover - torch always has Inductor
+        pass
+    return unknown_key_error(key, valid, "options")

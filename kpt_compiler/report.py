@@ -1,0 +1,173 @@
+"""What happened in a compile, as data: one GraphReport per graph Dynamo hands the backend.
+
+A GraphReport holds a StageRecord per stage the pipeline ran (pre_aot, joint, forward, backward), each with
+a PassRecord per pass in the pipeline for that stage. The backward stage is filled in when the backward is
+compiled, which Inductor and AOTAutograd do lazily at the first ``.backward()``.
+
+``kpt_compiler.last_report()`` returns the newest; ``reports()`` all since the last ``clear_reports()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+__all__ = ["PassRecord", "StageRecord", "GraphReport", "last_report", "reports", "clear_reports", "STATUSES"]
+
+# applied: the pass changed the graph; unchanged: it ran and found nothing to do; failed: it raised or broke
+# an invariant, and the graph from before it was kept; skipped: it could not apply here (device, shapes...);
+# disabled: the options switched it off.
+STATUSES = ("applied", "unchanged", "failed", "skipped", "disabled")
+
+
+@dataclasses.dataclass
+class PassRecord:
+    name: str
+    stage: str
+    status: str
+    matches: int = 0
+    stats: dict[str, int] = dataclasses.field(default_factory=dict)
+    time_ms: float = 0.0
+    reason: str | None = None  # why skipped or disabled; the error when failed
+    notes: list[str] = dataclasses.field(default_factory=list)  # decisions and near misses, one line each
+    ops_before: dict[str, int] = dataclasses.field(default_factory=dict)
+    ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
+    diff: str | None = None  # unified diff of the readable code, when applied
+    regions: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # changed subgraphs, for pictures
+    code_file: str | None = None  # relative to the dump folder, when dumped
+    diff_file: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The fields summary.json carries (no code, no pictures)."""
+        out = {
+            "name": self.name,
+            "stage": self.stage,
+            "status": self.status,
+            "matches": self.matches,
+            "time_ms": round(self.time_ms, 3),
+        }
+        if self.stats:
+            out["stats"] = dict(self.stats)
+        if self.reason:
+            out["reason"] = self.reason
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
+
+
+@dataclasses.dataclass
+class StageRecord:
+    stage: str
+    is_inference: bool
+    nodes_before: int = 0
+    nodes_after: int = 0
+    ops_before: dict[str, int] = dataclasses.field(default_factory=dict)
+    ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
+    time_ms: float = 0.0
+    passes: list[PassRecord] = dataclasses.field(default_factory=list)
+    folder: str | None = None  # relative to dump_dir, when dumped
+
+    def pass_record(self, name: str) -> PassRecord:
+        for p in self.passes:
+            if p.name == name:
+                return p
+        raise KeyError(f"no pass {name!r} in stage {self.stage!r}; ran: {[p.name for p in self.passes]}")
+
+
+@dataclasses.dataclass
+class GraphReport:
+    index: int
+    compile_id: str
+    host: str  # "inductor", "eager" or "xla": what generated code for the rewritten graph
+    target: dict[str, Any]
+    options: dict[str, Any]
+    stages: dict[str, StageRecord] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    compile_ms: float = 0.0  # the backend call (forward); the backward adds its stage times later
+    folder: str | None = None
+
+    # ------------------------------------------------------------------ queries
+    def passes(self, stage: str | None = None) -> list[PassRecord]:
+        return [p for s in self.stages.values() if stage in (None, s.stage) for p in s.passes]
+
+    def fired(self) -> list[str]:
+        """Names of the passes that changed a graph, in the order they ran."""
+        out: list[str] = []
+        for p in self.passes():
+            if p.status == "applied" and p.name not in out:
+                out.append(p.name)
+        return out
+
+    def pass_record(self, name: str, stage: str | None = None) -> PassRecord:
+        found = [p for p in self.passes(stage) if p.name == name]
+        if not found:
+            raise KeyError(f"pass {name!r} did not run{' in ' + stage if stage else ''}")
+        return found[0]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "compile_id": self.compile_id,
+            "host": self.host,
+            "target": self.target,
+            "options": self.options,
+            "compile_ms": round(self.compile_ms, 3),
+            "folder": self.folder,
+            "notes": list(self.notes),
+            "stages": {
+                s.stage: {
+                    "is_inference": s.is_inference,
+                    "nodes_before": s.nodes_before,
+                    "nodes_after": s.nodes_after,
+                    "time_ms": round(s.time_ms, 3),
+                    "folder": s.folder,
+                    "passes": [p.summary() for p in s.passes],
+                }
+                for s in self.stages.values()
+            },
+        }
+
+    def table(self) -> str:
+        """A plain-text table: one row per pass that ran."""
+        rows = [("stage", "pass", "status", "matches", "ms", "detail")]
+        for p in self.passes():
+            detail = p.reason or ("; ".join(p.notes[:2]) if p.notes else "")
+            rows.append((p.stage, p.name, p.status, str(p.matches), f"{p.time_ms:.1f}", detail[:80]))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        head = f"graph {self.index} (compile id {self.compile_id}, {self.host} on {self.target.get('name')})"
+        lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        if len(rows) == 1:
+            lines.append("  (no passes in the pipeline)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+_lock = threading.Lock()
+_REPORTS: list[GraphReport] = []
+
+
+def _new_report(**kwargs: Any) -> GraphReport:
+    with _lock:
+        report = GraphReport(index=len(_REPORTS), **kwargs)
+        _REPORTS.append(report)
+        return report
+
+
+def last_report() -> GraphReport:
+    """The report of the graph compiled most recently in this process."""
+    if not _REPORTS:
+        raise LookupError("nothing has been compiled with backend='kernelpytorch' yet (or clear_reports() ran)")
+    return _REPORTS[-1]
+
+
+def reports() -> list[GraphReport]:
+    """Every graph compiled since the process started or clear_reports() was last called, oldest first."""
+    return list(_REPORTS)
+
+
+def clear_reports() -> None:
+    with _lock:
+        _REPORTS.clear()
