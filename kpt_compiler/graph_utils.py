@@ -120,12 +120,15 @@ def readable_code(gm: fx.GraphModule, graph: fx.Graph | None = None) -> str:
     return gm.print_readable(print_output=False, include_stride=False, include_device=True, colored=False)
 
 
+def _code_lines(code: str) -> list[str]:
+    """Code lines without comment-only and blank lines: source locations ("# File: ...") sit above groups
+    of nodes, and a new node without one would otherwise show up as a change to its neighbours."""
+    return [line + "\n" for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
 def unified_diff(before: str, after: str, name_before: str, name_after: str) -> str:
-    lines = difflib.unified_diff(
-        (before + "\n").splitlines(keepends=True), (after + "\n").splitlines(keepends=True),
-        name_before, name_after, n=2,
-    )
-    return "".join(lines)
+    """What changed in the graph's code, comments aside."""
+    return "".join(difflib.unified_diff(_code_lines(before), _code_lines(after), name_before, name_after, n=2))
 
 
 def node_label(node: fx.Node) -> str:

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .pipeline import CompileRun
 
-__all__ = ["compile_inductor", "compile_eager", "compile_xla", "HOSTS"]
+__all__ = ["inductor_config_patches", "compile_inductor", "compile_eager", "compile_xla", "HOSTS"]
 
 
 def _stage_hook_class():
@@ -53,20 +53,29 @@ def _stage_hook_class():
     return StageHook
 
 
-def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], run: CompileRun) -> Callable:
+def inductor_config_patches(run: CompileRun) -> dict[str, Any]:
+    """The Inductor config one compile runs under: the mode's settings (as torch.compile gives Inductor),
+    the user's options["inductor"], and our stage hooks chained in front of any custom pass already set."""
     from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     StageHook = _stage_hook_class()
     patches: dict[str, Any] = dict(list_mode_options(run.options.mode))
     patches.update(run.options.inductor)
     patches["joint_custom_pre_pass"] = StageHook(run, "joint", inductor_config.joint_custom_pre_pass)
     patches["post_grad_custom_pre_pass"] = StageHook(run, None, inductor_config.post_grad_custom_pre_pass)
+    if run.dump is not None:
+        # A cached artifact skips our hooks and the dump would miss stages: compile afresh when dumping.
+        patches["fx_graph_cache"] = False
+    return patches
+
+
+def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], run: CompileRun) -> Callable:
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    patches = inductor_config_patches(run)
     caches = contextlib.nullcontext()
     if run.dump is not None:
-        # A cached artifact skips our hooks, and the dump would miss stages: compile afresh when dumping.
-        patches["fx_graph_cache"] = False
         caches = torch._functorch.config.patch(enable_autograd_cache=False)
 
     def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any):

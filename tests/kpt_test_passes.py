@@ -1,0 +1,101 @@
+"""Passes that exist only for tests: each does one simple, checkable thing (or fails on purpose).
+
+All are off by default; a test turns one on with options={"test_...": True}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kpt_compiler import PassSkipped, graph_pass
+
+aten = torch.ops.aten
+
+
+@graph_pass("test-relu-to-clamp", summary="relu(x) -> clamp_min(x, 0): exact, changes the graph", stage="joint",
+            default=False)
+def relu_to_clamp(gm, ctx):
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == aten.relu.default:
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(aten.clamp_min.default, (node.args[0], 0.0))
+            new.meta["val"] = node.meta["val"]
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            ctx.count()
+            changed = True
+    return changed
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleOptions:
+    factor: float = 2.0
+
+    def __post_init__(self):
+        if self.factor == 0:
+            raise ValueError("factor must not be 0")
+
+
+@graph_pass("test-scale-outputs", summary="multiplies every tensor output by a factor: a visible change",
+            stage="forward", default=False, options=ScaleOptions)
+def scale_outputs(gm, ctx):
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    new_outs = []
+    for value in out.args[0]:
+        if isinstance(value, torch.fx.Node) and isinstance(value.meta.get("val"), torch.Tensor) \
+                and value.meta["val"].dtype.is_floating_point:
+            with gm.graph.inserting_before(out):
+                scaled = gm.graph.call_function(aten.mul.Tensor, (value, ctx.options.factor))
+            scaled.meta["val"] = value.meta["val"]
+            new_outs.append(scaled)
+            ctx.count()
+        else:
+            new_outs.append(value)
+    out.args = (type(out.args[0])(new_outs),)
+    return ctx.stats["matches"] > 0
+
+
+@graph_pass("test-raise", summary="vandalises the graph, then raises", stage="forward", default=False)
+def raise_midway(gm, ctx):
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and not node.users:
+            gm.graph.erase_node(node)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out.args = (tuple(None for _ in out.args[0]),)
+    ctx.count()
+    raise RuntimeError("test-raise: failing on purpose")
+
+
+@graph_pass("test-no-meta", summary="adds a node without meta['val'] (breaks an invariant)", stage="joint",
+            default=False)
+def add_node_without_meta(gm, ctx):
+    first = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    with gm.graph.inserting_after(first):
+        gm.graph.call_function(aten.neg.default, (first,))
+    return True
+
+
+@graph_pass("test-skip", summary="always steps aside, saying why", stage="joint", default=False)
+def always_skip(gm, ctx):
+    raise PassSkipped("nothing for this pass on such graphs")
+
+
+@graph_pass("test-cuda-only", summary="claims to need CUDA", stage="joint", default=False,
+            supports=lambda target, opts: None if target.is_cuda else f"it needs a CUDA GPU and the target is {target.device}")
+def cuda_only(gm, ctx):
+    return False
+
+
+@graph_pass("test-pre-aot-sin", summary="sin -> cos at the torch level (pre-AOT; changes numerics)",
+            stage="pre_aot", default=False)
+def sin_to_cos(gm, ctx):
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.sin:
+            node.target = torch.cos
+            ctx.count()
+            changed = True
+    return changed

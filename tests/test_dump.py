@@ -1,0 +1,114 @@
+"""Dumps: files per graph and stage, diffs that match what a pass did, runnable code, summary and report."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kpt_compiler
+from kpt_compiler import dump as dump_mod
+
+from models import make
+
+
+@pytest.fixture(autouse=True)
+def _new_process_view_of_dump_dirs():
+    dump_mod._WRITERS.clear()
+
+
+def _compile_with_dump(tmp_path, options, train=False):
+    model, x = make("mlp")
+    compiled = torch.compile(model, backend="kernelpytorch",
+                             options={"codegen": "eager", "dump_dir": str(tmp_path), **options})
+    out = compiled(x)
+    if train:
+        out.sum().backward()
+    return kpt_compiler.last_report()
+
+
+def test_layout_and_summary(tmp_path):
+    report = _compile_with_dump(tmp_path, {"test_relu_to_clamp": True, "test_raise": True}, train=True)
+    g = tmp_path / "graph_000"
+    for stage in ("pre_aot", "joint", "forward", "backward"):
+        assert (g / stage / "00_input.py").is_file(), stage
+        assert (g / stage / "passes.json").is_file(), stage
+    assert (g / "joint" / "01_test-relu-to-clamp.py").is_file()
+    assert (g / "joint" / "01_test-relu-to-clamp.diff").is_file()
+    assert not list((g / "forward").glob("01_*")), "a failed pass leaves no 'after' file"
+    options = json.loads((g / "options.json").read_text())
+    assert options["options"]["test_relu_to_clamp"] is True
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["torch"] == torch.__version__
+    [graph] = summary["graphs"]
+    passes = {(p["stage"], p["name"]): p for s in graph["stages"].values() for p in s["passes"]}
+    clamp = passes[("joint", "test-relu-to-clamp")]
+    assert clamp["status"] == "applied" and clamp["matches"] == 2 and clamp["time_ms"] >= 0
+    failed = passes[("forward", "test-raise")]
+    assert failed["status"] == "failed" and "failing on purpose" in failed["reason"]
+    assert passes[("joint", "test-skip")]["status"] == "disabled"
+    assert graph == report.to_dict()
+
+
+def test_diff_is_exactly_the_change_the_pass_made(tmp_path):
+    _compile_with_dump(tmp_path, {"test_relu_to_clamp": True})
+    diff = (tmp_path / "graph_000" / "joint" / "01_test-relu-to-clamp.diff").read_text()
+    removed = [line for line in diff.splitlines() if line.startswith("-") and not line.startswith("---")]
+    added = [line for line in diff.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    # two relus became two clamp_mins; the only other changed lines are their users' arguments
+    assert sum("aten.relu.default" in line for line in removed) == 2
+    assert sum("aten.clamp_min.default" in line for line in added) == 2
+    assert not any("aten.relu" in line for line in added)
+    assert len(removed) == len(added)
+    for line in removed:
+        assert "relu" in line, line
+    stage = json.loads((tmp_path / "graph_000" / "joint" / "passes.json").read_text())
+    rec = next(p for p in stage["passes"] if p["name"] == "test-relu-to-clamp")
+    assert rec["ops_before"]["relu"] == 2 and rec["ops_after"]["clamp_min"] == 2
+    assert "relu" not in rec["ops_after"]
+
+
+def test_dumped_code_runs(tmp_path):
+    _compile_with_dump(tmp_path, {"test_relu_to_clamp": True}, train=True)
+    for path in ("joint/01_test-relu-to-clamp.py", "pre_aot/00_input.py", "backward/00_input.py"):
+        proc = subprocess.run([sys.executable, path], cwd=tmp_path / "graph_000", capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "output 0:" in proc.stdout
+    text = (tmp_path / "graph_000" / "joint" / "01_test-relu-to-clamp.py").read_text()
+    assert text.startswith("# kernelpytorch dump | graph_000")
+    assert "stage joint | after pass 'test-relu-to-clamp'" in text
+
+
+def test_index_html_shows_passes_and_pictures(tmp_path):
+    _compile_with_dump(tmp_path, {"test_relu_to_clamp": True, "test_raise": True})
+    page = (tmp_path / "index.html").read_text()
+    assert "test-relu-to-clamp" in page and "test-raise" in page
+    assert "failing on purpose" in page
+    # one picture before and one after for each changed region
+    assert page.count("<svg") >= 2 and "region 1: before" in page and "region 1: after" in page
+    assert "clamp_min" in page and 'href="graph_000/joint/01_test-relu-to-clamp.diff"' in page
+
+
+def test_environment_variable_sets_the_dump_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KPT_DUMP_DIR", str(tmp_path / "from_env"))
+    model, x = make("mlp")
+    torch.compile(model, backend="kernelpytorch", options={"codegen": "eager"})(x)
+    assert (tmp_path / "from_env" / "summary.json").is_file()
+
+
+def test_a_new_process_replaces_an_old_dump_but_nothing_else(tmp_path):
+    _compile_with_dump(tmp_path, {})
+    torch._dynamo.reset()
+    _compile_with_dump(tmp_path, {})  # same process: numbering goes on
+    assert (tmp_path / "graph_001").is_dir()
+    (tmp_path / "notes.txt").write_text("mine")
+    dump_mod._WRITERS.clear()  # as a new process would start
+    torch._dynamo.reset()
+    _compile_with_dump(tmp_path, {})
+    assert (tmp_path / "graph_000").is_dir() and not (tmp_path / "graph_001").exists()
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert len(json.loads((tmp_path / "summary.json").read_text())["graphs"]) == 1

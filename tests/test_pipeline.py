@@ -1,0 +1,138 @@
+"""The pass manager: isolation, invariants, switching passes off by name, and the report."""
+
+import pytest
+import torch
+
+import kpt_compiler
+from kpt_compiler import PassFailed, describe_pipeline, parse_options
+
+from models import make
+
+
+def _eager_compile(name, options):
+    model, x = make(name)
+    compiled = torch.compile(model, backend="kernelpytorch", options={"codegen": "eager", **options})
+    return model, x, compiled
+
+
+def test_applied_pass_is_reported_and_keeps_numerics():
+    model, x, compiled = _eager_compile("mlp", {"test_relu_to_clamp": True})
+    torch.testing.assert_close(compiled(x), model(x))
+    report = kpt_compiler.last_report()
+    rec = report.pass_record("test-relu-to-clamp")
+    assert rec.status == "applied" and rec.matches == 2 and rec.stage == "joint"
+    assert rec.ops_before["relu"] == 2 and "clamp_min" not in rec.ops_before
+    assert rec.ops_after["clamp_min"] == 2 and "relu" not in rec.ops_after
+    assert "-" in rec.diff and "aten.clamp_min.default" in rec.diff
+    assert report.fired() == ["test-relu-to-clamp"]
+    assert report.host == "eager" and report.target["device"] == "cpu"
+    assert set(report.stages) == {"pre_aot", "joint", "forward"}
+
+
+def test_a_pass_that_raises_is_rolled_back_and_reported():
+    model, x, compiled = _eager_compile("mlp", {"test_raise": True})
+    # the pass vandalised the forward graph before raising; the rollback must have undone it
+    torch.testing.assert_close(compiled(x), model(x))
+    rec = kpt_compiler.last_report().pass_record("test-raise")
+    assert rec.status == "failed"
+    assert rec.reason == "RuntimeError: test-raise: failing on purpose"
+
+
+def test_strict_turns_a_failing_pass_into_an_error():
+    model, x, compiled = _eager_compile("mlp", {"test_raise": True, "strict": True})
+    with pytest.raises(Exception, match=r"pass 'test-raise' failed in stage 'forward' \(strict=True\)") as e:
+        compiled(x)
+    assert isinstance(e.value, PassFailed) or "PassFailed" in str(e.value)
+
+
+def test_a_pass_that_breaks_an_invariant_is_rolled_back():
+    model, x, compiled = _eager_compile("mlp", {"test_no_meta": True})
+    torch.testing.assert_close(compiled(x), model(x))
+    rec = kpt_compiler.last_report().pass_record("test-no-meta")
+    assert rec.status == "failed" and "without meta['val']" in rec.reason
+    assert "neg" not in kpt_compiler.last_report().stages["joint"].ops_after
+
+
+def test_a_pass_that_steps_aside_says_why():
+    _model, x, compiled = _eager_compile("mlp", {"test_skip": True})
+    compiled(x)
+    rec = kpt_compiler.last_report().pass_record("test-skip")
+    assert rec.status == "skipped" and rec.reason == "nothing for this pass on such graphs"
+
+
+def test_disable_by_name_bisects(monkeypatch):
+    model, x, compiled = _eager_compile("mlp", {"test_relu_to_clamp": True, "disable": ["test-relu-to-clamp"]})
+    compiled(x)
+    report = kpt_compiler.last_report()
+    assert report.pass_record("test-relu-to-clamp").status == "disabled"
+    assert "clamp_min" not in report.stages["joint"].ops_after
+    # the same through the environment, without touching the code
+    torch._dynamo.reset()
+    monkeypatch.setenv("KPT_DISABLE", "test-scale-outputs")
+    model, x, compiled = _eager_compile("mlp", {"test_scale_outputs": True})
+    torch.testing.assert_close(compiled(x), model(x))
+    assert kpt_compiler.last_report().pass_record("test-scale-outputs").status == "disabled"
+
+
+def test_a_pass_that_changes_numerics_is_visible():
+    """The guard for the tests above: a pass that does change results makes the comparison fail."""
+    model, x, compiled = _eager_compile("mlp", {"test_scale_outputs": {"factor": 3}})
+    torch.testing.assert_close(compiled(x), 3 * model(x))
+
+
+def test_pre_aot_stage_runs_on_the_dynamo_graph():
+    f = lambda x: torch.sin(x) + 1  # noqa: E731
+    x = torch.randn(7)
+    compiled = torch.compile(f, backend="kernelpytorch", options={"codegen": "eager", "test_pre_aot_sin": True})
+    torch.testing.assert_close(compiled(x), torch.cos(x) + 1)
+    assert kpt_compiler.last_report().pass_record("test-pre-aot-sin", "pre_aot").status == "applied"
+
+
+def test_training_runs_forward_and_backward_stages():
+    model, x, compiled = _eager_compile("mlp", {"test_relu_to_clamp": True})
+    compiled(x).sum().backward()
+    report = kpt_compiler.last_report()
+    assert list(report.stages) == ["pre_aot", "joint", "forward", "backward"]
+    assert not report.stages["joint"].is_inference and report.stages["joint"].passes[0].status == "applied"
+    assert report.stages["backward"].nodes_before > 0
+
+
+def test_pipeline_option_sets_the_order_and_membership():
+    _model, x, compiled = _eager_compile("mlp", {"pipeline": ["test-skip"], "test_skip": True,
+                                                 "test_relu_to_clamp": True})
+    compiled(x)
+    names = [p.name for p in kpt_compiler.last_report().passes()]
+    assert names == ["test-skip"]
+
+
+def test_describe_pipeline_lists_stages_and_switches():
+    text = describe_pipeline(parse_options(None, {"test_relu_to_clamp": True}))
+    joint = next(line for line in text.splitlines() if line.startswith("joint:"))
+    assert "test-relu-to-clamp" in joint and "-test-no-meta(off)" in joint
+
+
+def test_report_table_and_dict():
+    _model, x, compiled = _eager_compile("mlp", {"test_relu_to_clamp": True, "test_raise": True})
+    compiled(x)
+    report = kpt_compiler.last_report()
+    table = report.table()
+    assert "test-relu-to-clamp  applied" in table and "RuntimeError: test-raise" in table
+    d = report.to_dict()
+    statuses = {p["name"]: p["status"] for s in d["stages"].values() for p in s["passes"]}
+    assert statuses["test-relu-to-clamp"] == "applied" and statuses["test-raise"] == "failed"
+    assert len(kpt_compiler.reports()) == 1
+
+
+def test_fingerprint_depends_on_options():
+    from kpt_compiler.pipeline import CompileRun
+    from kpt_compiler.report import GraphReport
+    from kpt_compiler.target import Target
+
+    def fp(options):
+        rep = GraphReport(index=0, compile_id="-", host="inductor", target={}, options={})
+        return CompileRun(None, parse_options(None, options), Target("cpu", "cpu"), rep).fingerprint()
+
+    assert fp({}) == fp({})
+    assert fp({}) != fp({"test_relu_to_clamp": True})
+    assert fp({"test_scale_outputs": {"factor": 2}}) != fp({"test_scale_outputs": {"factor": 3}})
+    assert fp({"dump_dir": "a"}) == fp({"dump_dir": "b"})  # where files go does not change the code
