@@ -59,13 +59,10 @@ def restore(gm: fx.GraphModule, snap: GraphSnapshot) -> None:
     (its FakeTensorUpdater is built before the custom pass and updated after it).
     """
     graph = gm.graph
-    names = [n.name for n in graph.nodes]
     for node in reversed(list(graph.nodes)):
         graph.erase_node(node)
-    # Free the names so the restored nodes get them back (cosmetic, but dumps and diffs read better).
-    used = getattr(graph._graph_namespace, "_used_names", None)
-    if isinstance(used, set):
-        used.difference_update(names)
+    # A fresh namespace, so the restored nodes get their names back (dumps and diffs read better).
+    graph._graph_namespace = type(graph._graph_namespace)()
     _copy_nodes(snap.graph, graph)
     for k in _MODULE_DICTS:
         table = getattr(gm, k)

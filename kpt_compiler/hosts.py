@@ -88,7 +88,14 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], run: Com
             run.host_stage.pop()
 
     with caches:
-        return compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    missing = [stage for stage in ("joint", "forward") if stage not in run.report.stages]
+    if missing:
+        run.report.notes.append(
+            f"stage(s) {', '.join(missing)}: the code came from Inductor's cache, so their passes did not run in "
+            "this process (they ran when the entry was made); set dump_dir to compile afresh and see them run"
+        )
+    return compiled
 
 
 def _boxed(gm: fx.GraphModule) -> Callable:

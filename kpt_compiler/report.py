@@ -139,6 +139,7 @@ class GraphReport:
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         if len(rows) == 1:
             lines.append("  (no passes in the pipeline)")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -3,11 +3,23 @@ import os
 import pytest
 import torch
 
+try:  # torch_xla must register its device before autograd's engine starts (the first .backward())
+    os.environ.setdefault("PJRT_DEVICE", "CPU")
+    import torch_xla
+
+    torch_xla.device()
+except ImportError:
+    pass
+
 import kpt_compiler
 import kpt_test_passes  # noqa: F401  (registers the test-only passes)
 
 # Keep CPU tests quick and deterministic.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests read what each pass did; an artifact from Inductor's caches (an earlier run) would skip the passes.
+# test_cache.py turns the FX graph cache back on to test the cache keys.
+torch._inductor.config.fx_graph_cache = False
+torch._functorch.config.enable_autograd_cache = False
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,78 @@
+"""How the hosts are configured: Inductor modes, user Inductor options, hook chaining; device checks."""
+
+import pytest
+import torch
+
+from kpt_compiler import OptionError, parse_options
+from kpt_compiler.hosts import inductor_config_patches
+from kpt_compiler.pipeline import CompileRun
+from kpt_compiler.report import GraphReport
+from kpt_compiler.target import Target, detect_target
+
+
+def _run(mode=None, options=None, target=Target("cpu", "cpu")):
+    rep = GraphReport(index=0, compile_id="-", host="inductor", target={}, options={})
+    return CompileRun(None, parse_options(mode, options), target, rep)
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("reduce-overhead", {"triton.cudagraphs": True}),
+    ("max-autotune", {"max_autotune": True, "triton.cudagraphs": True, "coordinate_descent_tuning": True}),
+    ("max-autotune-no-cudagraphs", {"max_autotune": True, "coordinate_descent_tuning": True}),
+])
+def test_modes_mean_what_they_mean_for_inductor(mode, expected):
+    from torch._inductor import list_mode_options
+
+    patches = inductor_config_patches(_run(mode))
+    assert list_mode_options(mode) == expected  # torch's own table, as torch.compile gives Inductor
+    for key, value in expected.items():
+        assert patches[key] == value
+
+
+def test_default_mode_adds_only_our_hooks():
+    patches = inductor_config_patches(_run())
+    assert set(patches) == {"joint_custom_pre_pass", "post_grad_custom_pre_pass"}
+
+
+def test_user_inductor_options_are_applied():
+    patches = inductor_config_patches(_run(options={"inductor": {"epilogue_fusion": False}}))
+    assert patches["epilogue_fusion"] is False
+
+
+def test_hooks_chain_a_custom_pass_the_user_installed():
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    calls = []
+
+    class UserPass(CustomGraphPass):
+        def __call__(self, graph):
+            calls.append(graph)
+
+        def uuid(self):
+            return "user-pass-v1"
+
+    with config.patch(post_grad_custom_pre_pass=UserPass()):
+        hook = inductor_config_patches(_run())["post_grad_custom_pre_pass"]
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    hook(gm.graph)
+    assert calls == [gm.graph]
+    assert "user-pass-v1" in hook.uuid()
+
+
+def test_target_from_inputs():
+    opts = parse_options(None, None)
+    assert detect_target([torch.randn(2), 3], opts).device == "cpu"
+    assert detect_target([], opts).device == "cpu"
+    with pytest.raises(OptionError, match="options\\['device'\\]='xla'.*inputs are on 'cpu'"):
+        detect_target([torch.randn(2)], parse_options(None, {"device": "xla"}))
+
+
+def test_target_capabilities():
+    h100 = Target("cuda", "NVIDIA H100", capability=(9, 0))
+    a100 = Target("cuda", "NVIDIA A100", capability=(8, 0))
+    cpu = Target("cpu", "cpu")
+    assert h100.has_fp8 and h100.has_sparse_2_4
+    assert not a100.has_fp8 and a100.has_sparse_2_4
+    assert not cpu.has_fp8 and not cpu.has_sparse_2_4 and not cpu.has_triton
+    assert "sm_90" in h100.describe()
