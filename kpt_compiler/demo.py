@@ -1,0 +1,159 @@
+"""The main job: compile a real model with kernelpytorch and show what it did.
+
+    python -m kpt_compiler.demo [--model gpt2|tiny-gpt] [--batch B --seq S] [--dtype bf16] [--options JSON]
+
+Builds GPT-2 small from its configuration (Hugging Face transformers, eager attention; the project's own
+small GPT when transformers is absent), checks kernelpytorch's output against eager, times eager, Inductor and
+kernelpytorch side by side, prints which passes fired, and writes the report (``--out``/index.html).
+On a GPU the defaults are the ANCHORS.md setting (8 x 1024, bf16); on the CPU a 2-layer model at 2 x 128.
+Exits non-zero when kernelpytorch's output is further from eager float32 than Inductor's or eager's own is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+import kpt_compiler
+
+from .bench import median_ms, relative_error
+from .models.zoo import MissingLibrary, build
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The main output of a model: logits, last hidden state, or the first tensor it returns."""
+    for name in ("logits", "last_hidden_state"):
+        if hasattr(out, name):
+            return getattr(out, name)
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return first_tensor(out[0])
+    if isinstance(out, dict):
+        return first_tensor(next(iter(out.values())))
+    raise TypeError(f"no tensor in the model's output of type {type(out).__name__}")
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kpt_compiler.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="auto", help="gpt2 (transformers), tiny-gpt (ours), or auto")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--batch", type=int, default=None)
+    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default: 12 on cuda, 2 on cpu)")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--options", default="{}", help="kernelpytorch options as JSON, e.g. '{\"strict\": true}'")
+    p.add_argument("--out", default="kpt_demo", help="where the report goes (dump_dir)")
+    p.add_argument("--rep-ms", type=float, default=None, help="timing budget per mode")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device == "cuda"
+    batch = args.batch or (8 if gpu else 2)
+    seq = args.seq or (1024 if gpu else 128)
+    layers = args.layers or (12 if gpu else 2)
+    dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
+    rep_ms = args.rep_ms or (1000 if gpu else 1500)
+    user_options = json.loads(args.options)
+    try:  # fail before building anything when the options are wrong
+        kpt_compiler.parse_options(None, user_options)
+    except kpt_compiler.OptionError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    name = args.model
+    try:
+        if name in ("auto", "gpt2"):
+            model, make_inputs = build("gpt2", attn="eager", n_layer=layers)
+            label = f"GPT-2 small ({layers} layers; transformers, eager attention)"
+        else:
+            raise MissingLibrary("asked for tiny-gpt")
+    except MissingLibrary as why:
+        if name == "gpt2":
+            raise
+        model, make_inputs = build("tiny-gpt", n_layer=layers)
+        label = f"the project's GPT ({layers} layers, 256 wide; {why})"
+    torch.manual_seed(0)
+    model = model.eval().to(device)
+    inputs = make_inputs(batch, seq, device)
+    ref_model = copy.deepcopy(model).float()
+    model = model.to(dtype)
+
+    print(f"kernelpytorch main job | {label} | batch {batch} x seq {seq} | {str(dtype).replace('torch.', '')} | "
+          f"{_device_name(device)} | torch {torch.__version__} | {datetime.date.today()}")
+    with torch.no_grad():
+        ref = first_tensor(ref_model(*inputs)).float()
+    del ref_model
+
+    kpt_options = {"dump_dir": args.out, **user_options}
+    modes = {
+        "eager": lambda: model,
+        "inductor": lambda: torch.compile(model, backend="inductor"),
+        "kernelpytorch": lambda: torch.compile(model, backend="kernelpytorch", options=kpt_options),
+    }
+    rows = []
+    kpt_compiler.clear_reports()
+    for mode, make in modes.items():
+        torch._dynamo.reset()
+        fn = make()
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = first_tensor(fn(*inputs))
+            if gpu:
+                torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            err = relative_error(out, ref)
+            ms = median_ms(lambda: fn(*inputs), device, rep_ms=rep_ms)
+        rows.append({"mode": mode, "compile_s": compile_s if mode != "eager" else None, "ms": ms, "rel_err": err})
+        print(f"  {mode:14s} first call {compile_s:7.2f} s   median {ms:9.3f} ms   rel. error vs fp32 eager {err:.2e}",
+              flush=True)
+
+    reports = kpt_compiler.reports()
+    print()
+    print("What kernelpytorch did:")
+    for r in reports:
+        print(r.table())
+    fired = sorted({name for r in reports for name in r.fired()})
+    print(f"passes that fired: {', '.join(fired) if fired else 'none'}")
+    print(f"pipeline:\n  " + kpt_compiler.describe_pipeline(kpt_compiler.parse_options(None, user_options)).replace("\n", "\n  "))
+    print(f"report: {os.path.join(args.out, 'index.html')}")
+
+    by = {r["mode"]: r for r in rows}
+    ind = by["inductor"]["ms"]
+    print()
+    print("| mode | first call (s) | median (ms) | vs Inductor | rel. error vs fp32 eager |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in rows:
+        cs = f"{r['compile_s']:.1f}" if r["compile_s"] is not None else "-"
+        print(f"| {r['mode']} | {cs} | {r['ms']:.3f} | {ind / r['ms']:.2f}x | {r['rel_err']:.1e} |")
+    bound = 2 * max(by["eager"]["rel_err"], by["inductor"]["rel_err"]) + 1e-6
+    ok = by["kernelpytorch"]["rel_err"] <= bound
+    print(f"\noutput check: kernelpytorch rel. error {by['kernelpytorch']['rel_err']:.2e} "
+          f"{'<=' if ok else '>'} bound {bound:.2e} (twice the worse of eager's and Inductor's): "
+          f"{'OK' if ok else 'MISMATCH'}")
+    with open(os.path.join(args.out, "main_job.json"), "w") as f:
+        json.dump({"label": label, "batch": batch, "seq": seq, "dtype": str(dtype), "device": _device_name(device),
+                   "torch": torch.__version__, "date": str(datetime.date.today()), "rows": rows, "fired": fired,
+                   "ok": ok}, f, indent=1)
+    return 0 if ok else 1
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The whole CPU test suite, set up from nothing (the README's test command; CI runs it through .ci/run).
+#   .venv      torch 2.13 (CPU build), transformers, this package: every CPU test
+#   .venv-xla  torch 2.9 + torch_xla 2.9: the same suite on torch 2.9, XLA tests included (PJRT_DEVICE=CPU)
+# Extra arguments go to both pytest runs (e.g. -k options).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+say() { printf '\n== %s (%s)\n' "$*" "$(date +%H:%M:%S)"; }
+
+say "environment .venv: torch 2.13.0 (CPU), transformers, kernelpytorch"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+# torch first and pinned: a bare 'torch' requirement would fetch a CUDA build of several GB.
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e ".[test]" transformers
+
+say "tests on torch 2.13"
+.venv/bin/python -m pytest -q -m "not gpu" "$@"
+
+say "environment .venv-xla: torch 2.9.0 + torch_xla 2.9.0 (torch_xla 2.9 works only with torch 2.9)"
+[ -x .venv-xla/bin/python ] || "$PY" -m venv .venv-xla
+.venv-xla/bin/pip install -q torch==2.9.0
+.venv-xla/bin/pip install -q torch_xla==2.9.0
+.venv-xla/bin/pip install -q -e ".[test]"
+
+say "tests on torch 2.9 with torch_xla (PJRT_DEVICE=CPU)"
+PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -q -m "not gpu" "$@"
+say "all CPU tests passed"
