@@ -342,6 +342,11 @@ class CompileRun:
     def _check_invariants(self, spec: GraphPass, gm: fx.GraphModule, snap, stage: str) -> None:
         """What every pass must leave true (passes/README.md); a pass that breaks it is rolled back."""
         gm.graph.lint()
+        if _signature(gm.graph) != _signature(snap.graph):
+            raise RuntimeError(
+                f"pass {spec.name!r} changed the graph's inputs or outputs (their number, shapes or dtypes): "
+                f"{_signature(snap.graph)} -> {_signature(gm.graph)}"
+            )
         if stage == "pre_aot":
             return
         old = {n.name for n in snap.graph.nodes}
@@ -360,3 +365,20 @@ class CompileRun:
                     f"pass {spec.name!r} added the mutating op {target} in stage {stage!r}; the graph must stay "
                     "functional (declare mutates=True and run last if that is intended)"
                 )
+
+
+def _signature(graph: fx.Graph) -> tuple:
+    """How the graph is called: its inputs and outputs as (shape, dtype), where meta records them."""
+
+    def describe(node: Any) -> Any:
+        if not isinstance(node, fx.Node):
+            return repr(node)
+        val = node.meta.get("val", node.meta.get("example_value"))
+        if isinstance(val, torch.Tensor):
+            return (tuple(val.shape), val.dtype)
+        return type(val).__name__
+
+    inputs = tuple(describe(n) for n in graph.nodes if n.op == "placeholder")
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outputs = tuple(describe(a) for a in torch.utils._pytree.tree_leaves(output.args[0]))
+    return inputs, outputs

@@ -99,3 +99,15 @@ def sin_to_cos(gm, ctx):
             ctx.count()
             changed = True
     return changed
+
+
+@graph_pass("test-drop-output", summary="changes what the graph returns (breaks an invariant)", stage="forward",
+            default=False)
+def drop_output(gm, ctx):
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    first = next(v for v in out.args[0] if isinstance(v, torch.fx.Node))
+    with gm.graph.inserting_before(out):
+        summed = gm.graph.call_function(aten.sum.default, (first,))
+    summed.meta["val"] = first.meta["val"].sum()
+    out.args = ((summed, *out.args[0][1:]),)
+    return True

@@ -53,6 +53,13 @@ def test_a_pass_that_breaks_an_invariant_is_rolled_back():
     assert "neg" not in kpt_compiler.last_report().stages["joint"].ops_after
 
 
+def test_a_pass_that_changes_the_graph_signature_is_rolled_back():
+    model, x, compiled = _eager_compile("mlp", {"test_drop_output": True})
+    torch.testing.assert_close(compiled(x), model(x))
+    rec = kpt_compiler.last_report().pass_record("test-drop-output")
+    assert rec.status == "failed" and "changed the graph's inputs or outputs" in rec.reason
+
+
 def test_a_pass_that_steps_aside_says_why():
     _model, x, compiled = _eager_compile("mlp", {"test_skip": True})
     compiled(x)
