@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["median_ms", "relative_error", "peak_memory"]
+__all__ = ["median_ms", "relative_error", "peak_memory", "first_tensor"]
 
 
 def median_ms(fn: Callable[[], Any], device: str, *, warmup_ms: float = 100, rep_ms: float = 500,
@@ -52,3 +52,17 @@ def peak_memory(fn: Callable[[], Any], device: str) -> int | None:
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The main output of a model: logits, last hidden state, or the first tensor it returns."""
+    for name in ("logits", "last_hidden_state"):
+        if hasattr(out, name):
+            return getattr(out, name)
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return first_tensor(out[0])
+    if isinstance(out, dict):
+        return first_tensor(next(iter(out.values())))
+    raise TypeError(f"no tensor in the model's output of type {type(out).__name__}")

@@ -24,24 +24,10 @@ import torch
 
 import kpt_compiler
 
-from .bench import median_ms, relative_error
+from .bench import first_tensor, median_ms, relative_error
 from .models.zoo import MissingLibrary, build
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def first_tensor(out: Any) -> torch.Tensor:
-    """The main output of a model: logits, last hidden state, or the first tensor it returns."""
-    for name in ("logits", "last_hidden_state"):
-        if hasattr(out, name):
-            return getattr(out, name)
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, (tuple, list)):
-        return first_tensor(out[0])
-    if isinstance(out, dict):
-        return first_tensor(next(iter(out.values())))
-    raise TypeError(f"no tensor in the model's output of type {type(out).__name__}")
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -31,7 +31,9 @@ def test_inductor_on_cuda_with_a_joint_rewrite(mode):
     model, x = make("cnn")
     model = model.cuda().eval()
     ref = copy.deepcopy(model).double()(x.double().cuda())
-    compiled = torch.compile(model, backend="kernelpytorch", mode=mode, options={"test_relu_to_clamp": True})
+    # torch.compile takes mode= or options=, not both: the mode goes in the options
+    options = {"test_relu_to_clamp": True, **({"mode": mode} if mode else {})}
+    compiled = torch.compile(model, backend="kernelpytorch", options=options)
     with torch.no_grad():
         for _ in range(3):  # CUDA graphs record on a later call
             out = compiled(x.cuda())
