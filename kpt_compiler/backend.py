@@ -11,6 +11,7 @@ One call per graph Dynamo captures:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -91,7 +92,10 @@ def kernelpytorch(
     if dump is not None:
         dump.begin_graph(graph_report, run)
     run.run_stage(gm, "pre_aot", is_inference=not torch.is_grad_enabled())
-    compiled = HOSTS[host](gm, example_inputs, run)
+    with contextlib.ExitStack() as stack:
+        for factory in run.aot_contexts:  # e.g. the SDPA backend priority the attention pass chose
+            stack.enter_context(factory())
+        compiled = HOSTS[host](gm, example_inputs, run)
     graph_report.compile_ms = (time.perf_counter() - start) * 1e3
     if dump is not None:
         dump.end_graph(graph_report)

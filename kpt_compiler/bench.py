@@ -2,26 +2,41 @@
 
 On CUDA, ``triton.testing.do_bench`` (CUDA events, warm-up, L2 flushed between runs, median). On the CPU a
 median of wall-clock runs after warm-up.
+``timing_ms`` also gives the 20th and 80th percentiles, from which benchmarks report run-to-run noise.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
-__all__ = ["median_ms", "relative_error", "peak_memory", "first_tensor"]
+__all__ = ["Timing", "timing_ms", "median_ms", "relative_error", "peak_memory", "first_tensor"]
 
 
-def median_ms(fn: Callable[[], Any], device: str, *, warmup_ms: float = 100, rep_ms: float = 500,
-              min_reps: int = 5) -> float:
-    """Median time of one call of ``fn`` in milliseconds."""
+class Timing(NamedTuple):
+    """Milliseconds per call: the median and the 20th and 80th percentiles over the timed calls."""
+
+    median: float
+    p20: float
+    p80: float
+
+    @property
+    def noise(self) -> float:
+        """The spread relative to the median, (p80 - p20) / median: how far two runs may differ by chance."""
+        return (self.p80 - self.p20) / self.median if self.median > 0 else 0.0
+
+
+def timing_ms(fn: Callable[[], Any], device: str, *, warmup_ms: float = 100, rep_ms: float = 500,
+              min_reps: int = 5) -> Timing:
+    """Time one call of ``fn``: median, 20th and 80th percentile in milliseconds."""
     if device == "cuda":
         import triton.testing
 
-        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        median, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+        return Timing(float(median), float(p20), float(p80))
     start = time.perf_counter()
     fn()
     while (time.perf_counter() - start) * 1e3 < warmup_ms:
@@ -34,7 +49,15 @@ def median_ms(fn: Callable[[], Any], device: str, *, warmup_ms: float = 100, rep
         times.append((time.perf_counter() - t0) * 1e3)
         if len(times) >= 1000:
             break
-    return statistics.median(times)
+    # "inclusive" interpolates between the timed calls as torch.quantile (do_bench) does
+    deciles = statistics.quantiles(times, n=10, method="inclusive")
+    return Timing(statistics.median(times), deciles[1], deciles[7])
+
+
+def median_ms(fn: Callable[[], Any], device: str, *, warmup_ms: float = 100, rep_ms: float = 500,
+              min_reps: int = 5) -> float:
+    """Median time of one call of ``fn`` in milliseconds."""
+    return timing_ms(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps).median
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

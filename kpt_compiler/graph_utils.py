@@ -29,6 +29,24 @@ __all__ = [
 class GraphSnapshot:
     graph: fx.Graph
     attrs: dict[str, Any]
+    node_extras: dict[str, dict[str, Any]]  # attributes others set on nodes (Dynamo's _dynamo_source), by name
+
+
+def _standard_node_fields() -> frozenset[str]:
+    g = fx.Graph()
+    return frozenset(g.placeholder("x").__dict__)
+
+
+_NODE_FIELDS = _standard_node_fields()
+
+
+def _extras(graph: fx.Graph) -> dict[str, dict[str, Any]]:
+    out = {}
+    for n in graph.nodes:
+        extra = {k: v for k, v in n.__dict__.items() if k not in _NODE_FIELDS}
+        if extra:
+            out[n.name] = extra
+    return out
 
 
 _MODULE_DICTS = ("_modules", "_parameters", "_buffers")
@@ -40,7 +58,7 @@ def snapshot(gm: fx.GraphModule) -> GraphSnapshot:
     attrs["__dict__"] = {k: v for k, v in gm.__dict__.items() if k not in _MODULE_DICTS}
     graph = fx.Graph(tracer_cls=gm.graph._tracer_cls)
     _copy_nodes(gm.graph, graph)
-    return GraphSnapshot(graph, attrs)
+    return GraphSnapshot(graph, attrs, _extras(gm.graph))
 
 
 def _copy_nodes(src: fx.Graph, dst: fx.Graph) -> None:
@@ -64,6 +82,9 @@ def restore(gm: fx.GraphModule, snap: GraphSnapshot) -> None:
     # A fresh namespace, so the restored nodes get their names back (dumps and diffs read better).
     graph._graph_namespace = type(graph._graph_namespace)()
     _copy_nodes(snap.graph, graph)
+    for n in graph.nodes:
+        for k, v in snap.node_extras.get(n.name, {}).items():
+            setattr(n, k, v)
     for k in _MODULE_DICTS:
         table = getattr(gm, k)
         table.clear()

@@ -78,6 +78,8 @@ class PassContext:
     mode: str
     stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # context managers (as factories) to hold while AOTAutograd traces; see during_aot
+    aot_contexts: list[Callable[[], Any]] = dataclasses.field(default_factory=list)
 
     def count(self, stat: str = "matches", n: int = 1) -> None:
         self.stats[stat] += n
@@ -89,6 +91,13 @@ class PassContext:
 
     def note(self, message: str) -> None:
         self.notes.append(message)
+
+    def during_aot(self, context_factory: Callable[[], Any]) -> None:
+        """Hold ``context_factory()`` while AOTAutograd traces this graph (pre_aot passes only): for choices the
+        dispatcher makes at trace time, such as which SDPA kernel a scaled_dot_product_attention call becomes."""
+        if self.stage != "pre_aot":
+            raise RuntimeError("during_aot is for pre_aot passes: later stages run after the trace")
+        self.aot_contexts.append(context_factory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +169,10 @@ def _load_builtin_passes() -> None:
 
 # The default pipeline: a flat list, in the order passes run within each stage. One line each says why it
 # sits where it does. Passes registered elsewhere (a user's, a test's) run after these, in registration order.
-DEFAULT_PIPELINE: tuple[str, ...] = ()
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    # pre_aot: before AOTAutograd, so a rewrite's backward comes from its replacement's autograd formula
+    "attention",  # first: it needs the softmax chain intact, before anything fuses parts of it
+)
 
 
 def resolve_pipeline(options: CompileOptions) -> list[GraphPass]:
@@ -220,6 +232,7 @@ class CompileRun:
         self.report = report
         self.dump = dump  # a dump.DumpWriter or None
         self.pipeline = resolve_pipeline(options)
+        self.aot_contexts: list[Callable[[], Any]] = []  # from pre_aot passes that applied
         # (stage, is_inference) of the graph a host is compiling now, for hooks that are not told (Inductor's)
         self.host_stage: list[tuple[str, bool]] = []
         self._fingerprint: str | None = None
@@ -333,6 +346,7 @@ class CompileRun:
         if not changed:
             return rec, code_before
         rec.status = "applied"
+        self.aot_contexts += ctx.aot_contexts
         rec.regions = graph_utils.changed_regions(snap.graph, gm.graph)
         before = code_before if code_before is not None else graph_utils.readable_code(gm, snap.graph)
         after = graph_utils.readable_code(gm)

@@ -3,3 +3,5 @@
 Importing this package registers every pass below with the pass manager; the order they run in is
 ``kpt_compiler.pipeline.DEFAULT_PIPELINE``. The rules a pass must keep are in README.md beside this file.
 """
+
+from . import attention  # noqa: F401

@@ -1,0 +1,362 @@
+"""Run the model zoo in every mode, in one process and one run, and write DIR/results.{json,md,png}.
+
+    python -m benchmarks.run --suite quick --device cuda --out benchmarks/out
+
+Modes: ``eager``; ``inductor`` (torch.compile's default); ``inductor-ro`` (mode="reduce-overhead");
+``kpt`` (backend="kernelpytorch", default options); ``kpt[<set>]`` for each set in benchmarks/option_sets.py.
+The reduce-overhead modes run only on cuda, and only for the cases that declare CUDA graphs worth timing.
+
+Per row: compile s (wall time of the first call, synchronized: Inductor's FX-graph and AOTAutograd caches are
+off and every compiled mode starts from a fresh Inductor/Triton cache directory, so it is a real compile);
+median ms with the 20th/80th percentiles (do_bench on cuda, wall clock on cpu) and noise (p80 - p20) / median;
+vs Inductor (inductor ms / ms); peak memory of one step; the relative error of the output against a float32
+eager copy of the model on the same weights and inputs; for kpt modes, the passes that fired. A training
+row times forward + cross-entropy loss + backward (grads reset to None each step) and checks the forward's
+output. A row that raises is recorded as "error: ..." and the run goes on; a model whose library is missing
+gives "skipped: <reason>" rows; rows past --max-minutes give "skipped: time budget".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from importlib import metadata
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+import kpt_compiler
+from kpt_compiler.bench import first_tensor, peak_memory, relative_error, timing_ms
+from kpt_compiler.models.zoo import MissingLibrary, build
+
+from . import outputs
+from .option_sets import OPTION_SETS
+from .zoo import Case, Entry, cases
+
+DTYPES = {"cuda": (torch.bfloat16, "bf16"), "cpu": (torch.float32, "fp32")}
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def all_modes() -> dict[str, dict[str, Any] | None]:
+    """Mode name -> torch.compile keyword arguments (None: the model as it is)."""
+    modes: dict[str, dict[str, Any] | None] = {
+        "eager": None,
+        "inductor": {"backend": "inductor"},
+        "inductor-ro": {"backend": "inductor", "mode": "reduce-overhead"},
+        "kpt": {"backend": "kernelpytorch", "options": {}},
+    }
+    for name, options in OPTION_SETS.items():
+        modes[f"kpt[{name}]"] = {"backend": "kernelpytorch", "options": dict(options)}
+    return modes
+
+
+def uses_cudagraphs(kwargs: dict[str, Any] | None) -> bool:
+    kwargs = kwargs or {}
+    mode = kwargs.get("mode") or kwargs.get("options", {}).get("mode")
+    return mode in ("reduce-overhead", "max-autotune")
+
+
+def _parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", choices=["quick", "full"], default="quick")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--out", default="benchmarks/out", help="folder for results.json, results.md, results.png")
+    p.add_argument("--models", default=None, help="comma-separated zoo entries (default: all)")
+    p.add_argument("--modes", default=None, help=f"comma-separated subset of: {', '.join(all_modes())}")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="skip the rows that would end past this (default: 4.5 quick, 9.5 full)")
+    p.add_argument("--rep-ms", type=float, default=None, help="timing budget per row (default: 1000 cuda, 200 cpu)")
+    p.add_argument("--save", action="store_true", help="also copy the JSON and table into benchmarks/results/<card>/")
+    return p.parse_args(argv)
+
+
+def _select_modes(arg: str | None, device: str) -> dict[str, dict[str, Any] | None]:
+    modes = all_modes()
+    if arg is None:  # CUDA graphs mean nothing on the CPU
+        return {m: kw for m, kw in modes.items() if device == "cuda" or not uses_cudagraphs(kw)}
+    names = [m.strip() for m in arg.split(",") if m.strip()]
+    unknown = [m for m in names if m not in modes]
+    if unknown:
+        raise SystemExit(f"error: unknown mode(s) {unknown}; known: {', '.join(modes)}")
+    return {m: modes[m] for m in modes if m in names}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def card_slug(card: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
+
+
+def _meta(args: argparse.Namespace, argv: list[str], device: str, modes: list[str], rep_ms: float) -> dict:
+    card = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+    return {
+        "suite": args.suite,
+        "device": device,
+        "card": card if device == "cuda" else "cpu",
+        "card_detail": card,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": shlex.join([os.path.basename(sys.executable), "-m", "benchmarks.run", *argv]),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "torchvision": _version("torchvision"),
+        "kernelpytorch": kpt_compiler.__version__,
+        "git": _git_commit(),
+        "threads": torch.get_num_threads(),
+        "modes": modes,
+        "option_sets": OPTION_SETS,
+        "timing": (f"triton.testing.do_bench (CUDA events, L2 flushed), {rep_ms:g} ms per row; median, p20, p80"
+                   if device == "cuda" else f"wall clock after warm-up, {rep_ms:g} ms per row; median, p20, p80"),
+        "caches": "Inductor FX-graph cache and AOTAutograd cache off; each compiled mode starts from a fresh "
+                  "Inductor/Triton cache directory: compile s is a real compile",
+        "reference": "eager float32 copy of the model (same weights, same inputs); dropout off in every model "
+                     "so outputs are deterministic",
+        "loss": "training: cross-entropy of the output's last dimension against fixed random targets",
+    }
+
+
+def _fresh_caches():
+    # Inductor keeps generated code and Triton binaries on disk across modes and runs; a fresh folder per
+    # compiled mode keeps one mode's compile from reusing another's kernels.
+    from torch._inductor.utils import fresh_inductor_cache
+
+    return fresh_inductor_cache()
+
+
+def _cleanup(device: str) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Case, compile_kwargs: dict | None,
+            device: str, rep_ms: float) -> dict[str, Any]:
+    """Compile (unless eager), then the first call, error against ``ref``, timing and peak memory of one step."""
+    training = case.task == "training"
+    fn = torch.compile(model, **compile_kwargs) if compile_kwargs else model
+    cudagraphs = uses_cudagraphs(compile_kwargs)
+    target = None
+    if training:  # fixed random classes for the output's last dimension (next tokens, image classes)
+        g = torch.Generator().manual_seed(0)
+        target = torch.randint(0, ref.shape[-1], ref.shape[:-1], generator=g).flatten().to(device)
+
+    def step() -> torch.Tensor:
+        if cudagraphs:  # a new iteration for CUDA graph trees: the previous step's outputs are dead
+            torch.compiler.cudagraph_mark_step_begin()
+        if training:
+            model.zero_grad(set_to_none=True)
+        out = first_tensor(fn(*inputs))
+        if training:
+            F.cross_entropy(out.flatten(0, -2).float(), target).backward()
+        return out
+
+    torch._dynamo.utils.counters.clear()
+    with torch.set_grad_enabled(training):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = step()
+        _sync(device)
+        first_s = time.perf_counter() - t0
+        rel_err = relative_error(out, ref.to(device))
+        del out
+        timing = timing_ms(step, device, warmup_ms=rep_ms / 5, rep_ms=rep_ms)
+        peak = peak_memory(step, device)
+    return {
+        "compile_s": round(first_s, 3) if compile_kwargs else None,
+        "ms": timing.median,
+        "p20_ms": timing.p20,
+        "p80_ms": timing.p80,
+        "noise": timing.noise,
+        "peak_mib": round(peak / 2**20, 1) if peak is not None else None,
+        "rel_err": rel_err,
+        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] if compile_kwargs else None,
+    }
+
+
+def _prepare(entry: Entry, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Callable[..., tuple]]:
+    torch.manual_seed(0)
+    model, make_inputs = build(entry.builder, **entry.kwargs)
+    # Dropout off: compiled and eager code draw different random numbers, and the output is checked.
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model.to(device=device, dtype=dtype), make_inputs
+
+
+def _reference(model: torch.nn.Module, inputs: tuple, training: bool) -> torch.Tensor:
+    """The float32 eager output on the same (possibly bf16-rounded) weights, kept on the host."""
+    ref_model = copy.deepcopy(model).float().train(training)
+    with torch.no_grad():
+        ref = first_tensor(ref_model(*inputs)).float().cpu()
+    del ref_model
+    return ref
+
+
+def _status(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"error: {type(e).__name__}: {first}"[:300]
+
+
+def _run_row(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Case, kwargs: dict | None,
+             device: str, rep_ms: float) -> dict[str, Any]:
+    """One mode on one case; raises what the mode raised."""
+    kpt_compiler.clear_reports()
+    torch._dynamo.reset()
+    with _fresh_caches() if kwargs else contextlib.nullcontext():
+        row = measure(model, inputs, ref, case, kwargs, device, rep_ms)
+    if kwargs and kwargs["backend"] == "kernelpytorch":
+        fired: list[str] = []
+        for report in kpt_compiler.reports():
+            fired += [p for p in report.fired() if p not in fired]
+        row["passes"] = fired
+    return row
+
+
+def _run(pairs: list[tuple[Entry, Case]], modes: dict[str, dict | None], device: str, rep_ms: float,
+         budget_s: float, start: float, out: str, meta: dict) -> list[dict[str, Any]]:
+    dtype, dtype_name = DTYPES[device]
+    rows: list[dict[str, Any]] = []
+    total = sum(1 for _, case in pairs for kw in modes.values() if case.cudagraphs or not uses_cudagraphs(kw))
+    longest_s = 0.0  # the slowest row so far: a row starts only if that much time is left
+    out_of_time = False
+    model = make_inputs = model_entry = None  # consecutive cases of one entry share its model
+    for entry, case in pairs:
+        setup_error = ref = inputs = None
+        if not out_of_time:
+            try:
+                if model_entry is not entry:
+                    model = make_inputs = model_entry = None
+                    _cleanup(device)
+                    model, make_inputs = _prepare(entry, device, dtype)
+                    model_entry = entry
+                model.train(case.task == "training")
+                inputs = make_inputs(case.batch, case.seq, device)
+                ref = _reference(model, inputs, case.task == "training")
+            except MissingLibrary as e:
+                setup_error = f"skipped: {e}"
+            except Exception as e:  # noqa: BLE001 - recorded in the rows, the run goes on
+                traceback.print_exc()
+                setup_error = _status(e)
+        case_rows: dict[str, dict] = {}
+        for mode, kwargs in modes.items():
+            if uses_cudagraphs(kwargs) and not case.cudagraphs:
+                continue
+            row = {"model": entry.name, "task": case.task, "shape": entry.shape(case), "dtype": dtype_name,
+                   "mode": mode, "status": "ok"}
+            if kwargs and "options" in kwargs:
+                row["options"] = kwargs["options"]
+            out_of_time = out_of_time or time.monotonic() - start + longest_s > budget_s
+            if out_of_time:
+                row["status"] = "skipped: time budget"
+            elif setup_error:
+                row["status"] = setup_error
+            else:
+                t0 = time.monotonic()
+                try:
+                    row.update(_run_row(model, inputs, ref, case, kwargs, device, rep_ms))
+                except Exception as e:  # noqa: BLE001 - one row's failure must not end the run
+                    traceback.print_exc()
+                    row["status"] = _status(e)
+                _cleanup(device)
+                row["row_s"] = round(time.monotonic() - t0, 1)
+                longest_s = max(longest_s, row["row_s"])
+            _ratios(row, case_rows)
+            case_rows[mode] = row
+            rows.append(row)
+            print(outputs.progress_line(row, len(rows), total, time.monotonic() - start), flush=True)
+            outputs.write_json(out, meta, rows)  # after every row, so a killed run keeps what it measured
+        del ref, inputs
+    del model
+    _cleanup(device)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse_args(argv)
+    start = time.monotonic()
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but torch.cuda.is_available() is False")
+    modes = _select_modes(args.modes, device)
+    try:
+        pairs = cases(args.suite, device, args.models.split(",") if args.models else None)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
+    rep_ms = args.rep_ms or (1000.0 if device == "cuda" else 200.0)
+    budget_s = 60 * (args.max_minutes or (4.5 if args.suite == "quick" else 9.5))
+    meta = _meta(args, argv, device, list(modes), rep_ms)
+    os.makedirs(args.out, exist_ok=True)
+    print(f"benchmarks: {args.suite} suite on {meta['card_detail']} | torch {meta['torch']} | "
+          f"{len(pairs)} cases x {len(modes)} modes | budget {budget_s / 60:.1f} min", flush=True)
+
+    # First-call times must be real compiles, not artifacts from an earlier run's caches.
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        rows = _run(pairs, modes, device, rep_ms, budget_s, start, args.out, meta)
+
+    meta["elapsed_s"] = round(time.monotonic() - start, 1)
+    outputs.write_json(args.out, meta, rows)
+    table = outputs.write_markdown(args.out, meta, rows)
+    png = outputs.write_plot(args.out, meta, rows)
+    if args.save:
+        folder = os.path.join(RESULTS_DIR, card_slug(meta["card"]))
+        os.makedirs(folder, exist_ok=True)
+        stem = os.path.join(folder, f"{meta['date'][:10]}-{args.suite}")
+        shutil.copyfile(os.path.join(args.out, "results.json"), stem + ".json")
+        shutil.copyfile(os.path.join(args.out, "results.md"), stem + ".md")
+        print(f"saved {stem}.json and .md", flush=True)
+    print(f"\nwrote {os.path.join(args.out, 'results.json')}, results.md{', results.png' if png else ''} "
+          f"in {meta['elapsed_s']:.0f} s\n", flush=True)
+    print(table, flush=True)
+    return 0
+
+
+def _ratios(row: dict, case_rows: dict[str, dict]) -> None:
+    """vs Inductor (the headline) and vs eager, from the rows of the same case measured before this one."""
+    for key, mode in (("vs_inductor", "inductor"), ("vs_eager", "eager")):
+        other = row if row["mode"] == mode else case_rows.get(mode)
+        ok = row["status"] == "ok" and other is not None and other["status"] == "ok"
+        row[key] = other["ms"] / row["ms"] if ok and row["ms"] > 0 else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Reading and editing Dynamo's graphs (torch IR) in pre_aot passes.
+
+Dynamo records calls as written: ``q @ k.transpose(-2, -1)`` may be ``operator.matmul``, ``torch.matmul`` or the
+``matmul`` method; softmax may be ``F.softmax``, ``torch.softmax`` or ``x.softmax``. ``kind(node)`` maps each
+spelling to one name and ``arg(node, name)`` reads an argument whether it was passed by position or keyword,
+so passes match meaning, not spelling. ``emit`` adds a call with its ``example_value`` (a FakeTensor, as Dynamo
+keeps them), and ``evaluate`` runs a part of the graph that depends on no input (a mask built from arange).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+__all__ = ["kind", "arg", "example_value", "emit", "depends_on_inputs", "evaluate", "cast_dtype", "copy_meta"]
+
+# (kind, parameter names in order) for each spelling; methods are ("method", name).
+_SIGS: dict[Any, tuple[str, tuple[str, ...]]] = {}
+
+
+def _add(kind_name: str, params: tuple[str, ...], *targets: Any) -> None:
+    for t in targets:
+        _SIGS[t] = (kind_name, params)
+
+
+_add("matmul", ("input", "other"), torch.matmul, operator.matmul, torch.bmm, ("method", "matmul"), ("method", "bmm"))
+_add("transpose", ("input", "dim0", "dim1"), torch.transpose, ("method", "transpose"), torch.swapaxes,
+     ("method", "swapaxes"))
+_add("permute", ("input", "dims"), torch.permute, ("method", "permute"))
+_add("mul", ("input", "other"), operator.mul, torch.mul, ("method", "mul"))
+_add("div", ("input", "other"), operator.truediv, torch.div, torch.true_divide, ("method", "div"))
+_add("add", ("input", "other"), operator.add, torch.add, ("method", "add"))
+_add("where", ("condition", "input", "other"), torch.where)
+_add("masked_fill", ("input", "mask", "value"), torch.masked_fill, ("method", "masked_fill"))
+_add("softmax", ("input", "dim", "_stacklevel", "dtype"), F.softmax)
+_add("softmax", ("input", "dim", "dtype"), torch.softmax, ("method", "softmax"))
+_add("dropout", ("input", "p", "training", "inplace"), F.dropout)
+_add("dropout", ("input", "p", "training"), torch.dropout)
+_add("invert", ("input",), operator.invert, torch.logical_not, torch.bitwise_not, ("method", "logical_not"),
+     ("method", "bitwise_not"))
+_add("contiguous", ("input",), ("method", "contiguous"))
+_add("cast", ("input", "dtype"), ("method", "to"), ("method", "type"))
+for _name in ("float", "half", "bfloat16", "double"):
+    _add("cast", ("input",), ("method", _name))
+_METHOD_DTYPES = {"float": torch.float32, "half": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64}
+
+
+def _key(node: fx.Node) -> Any:
+    if node.op == "call_method":
+        return ("method", node.target)
+    if node.op == "call_function":
+        return node.target
+    return None
+
+
+def kind(node: Any) -> str | None:
+    """The canonical name of what ``node`` computes ("matmul", "softmax", ...), or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    try:
+        entry = _SIGS.get(_key(node))
+    except TypeError:  # an unhashable target
+        return None
+    return entry[0] if entry else None
+
+
+_MISSING = object()
+
+
+def arg(node: fx.Node, name: str, default: Any = _MISSING) -> Any:
+    """Argument ``name`` of a recognised call, positional or keyword."""
+    _kind, params = _SIGS[_key(node)]
+    if name in node.kwargs:
+        return node.kwargs[name]
+    i = params.index(name)
+    if node.op == "call_method" and node.target == "permute" and name == "dims":
+        dims = node.args[1:]
+        return tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else tuple(dims)
+    if i < len(node.args):
+        return node.args[i]
+    if default is _MISSING:
+        raise KeyError(f"{node.format_node()} has no argument {name!r}")
+    return default
+
+
+def example_value(node: Any) -> Any:
+    """What Dynamo recorded the node computes (a FakeTensor for tensors); plain values stay as they are."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def cast_dtype(node: fx.Node) -> torch.dtype | None | str:
+    """For a "cast" node: the dtype it casts to, None if it keeps the dtype, "other" if it does more."""
+    if node.op == "call_method" and node.target in _METHOD_DTYPES:
+        return _METHOD_DTYPES[node.target]
+    rest = list(node.args[1:]) + list(node.kwargs.values())
+    dtypes = [a for a in rest if isinstance(a, torch.dtype)]
+    others = [a for a in rest if not isinstance(a, (torch.dtype, torch.device, bool)) and a is not None]
+    if others or len(dtypes) > 1:
+        return "other"
+    before, after = example_value(node.args[0]), example_value(node)
+    if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.device != after.device:
+        return "other"
+    return dtypes[0] if dtypes else None
+
+
+def copy_meta(src: fx.Node, dst: fx.Node) -> None:
+    """Source location and module path, so dumps show where a new node came from."""
+    for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def emit(graph: fx.Graph, fn: Callable, args: tuple, kwargs: dict | None = None, *, like: fx.Node | None = None
+         ) -> fx.Node:
+    """Insert ``fn(*args, **kwargs)`` at the graph's insertion point, with its example_value."""
+    kwargs = kwargs or {}
+    node = graph.call_function(fn, args, kwargs)
+    vals = [example_value(a) for a in (*args, *kwargs.values()) if isinstance(a, fx.Node)]
+    fake_mode = next((v.fake_mode for v in vals if isinstance(v, torch._subclasses.FakeTensor)), None)
+    ev = lambda a: example_value(a) if isinstance(a, fx.Node) else a  # noqa: E731
+    with fake_mode if fake_mode is not None else _null():
+        node.meta["example_value"] = fn(*[ev(a) for a in args], **{k: ev(v) for k, v in kwargs.items()})
+    if like is not None:
+        copy_meta(like, node)
+    return node
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def ancestors(node: fx.Node) -> list[fx.Node]:
+    """Every node ``node`` depends on, itself included, in graph order."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def depends_on_inputs(node: fx.Node) -> bool:
+    """True if the value of ``node`` depends on a graph input (so it cannot be known at compile time)."""
+    return any(n.op == "placeholder" for n in ancestors(node))
+
+
+def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26) -> torch.Tensor | None:
+    """Compute ``node`` now, when it depends on no input (e.g. a mask built from arange); None otherwise.
+
+    Runs the node's ancestors on real tensors outside Dynamo's fake mode. Returns None for values that depend
+    on inputs, that are larger than ``max_elements``, or whose computation fails.
+    """
+    if depends_on_inputs(node):
+        return None
+    val = example_value(node)
+    if isinstance(val, torch.Tensor) and (val.numel() > max_elements or not _static(val)):
+        return None
+    env: dict[fx.Node, Any] = {}
+    load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
+    try:
+        with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
+            for n in ancestors(node):
+                if n.op == "get_attr":
+                    obj: Any = gm
+                    for part in n.target.split("."):
+                        obj = getattr(obj, part)
+                    env[n] = obj
+                elif n.op == "call_function":
+                    env[n] = n.target(*load(n.args), **load(n.kwargs))
+                elif n.op == "call_method":
+                    self_, *rest = load(n.args)
+                    env[n] = getattr(self_, n.target)(*rest, **load(n.kwargs))
+                else:
+                    return None
+    except Exception:  # noqa: BLE001 - unknown ops: the value stays unknown
+        return None
+    out = env[node]
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def _static(t: torch.Tensor) -> bool:
+    return all(isinstance(s, int) for s in t.shape)

@@ -1,0 +1,398 @@
+"""attention: hand-written attention -> ``scaled_dot_product_attention``.
+
+Before (Dynamo's graph, as GPT-2, Llama, BERT and nanoGPT write it)::
+
+    s = (q @ k.transpose(-2, -1)) * scale        # or / d; or q * a before the product
+    s = s + mask | torch.where(keep, s, min) | s.masked_fill(~keep, -inf)
+    p = softmax(s.float(), dim=-1).to(q.dtype)   # casts optional
+    p = dropout(p, p_drop, training)             # optional
+    out = p @ v                                  # k, v may come from repeat_kv (grouped-query attention)
+
+After::
+
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=M, dropout_p=p_drop, is_causal=C, scale=scale)
+
+The mask is kept exactly: an additive mask goes in as ``attn_mask``; ``where``/``masked_fill`` with -inf become
+a boolean mask, with a finite value (GPT-2's dtype minimum) an additive one. When the mask depends on no
+graph input (transformers builds its causal mask from arange), it is computed at compile time, and if it is
+exactly lower-triangular the rewrite uses ``is_causal=True`` and drops it: the fused kernels then skip the
+masked half. A candidate whose scores or probabilities are used elsewhere (a model returning attention
+weights), or whose form is not one of the above, is left alone and reported as a near miss.
+
+Why this runs before AOTAutograd (stage pre_aot) rather than on the joint graph: at the torch level the
+attention chain is six nodes (softmax is one call), and SDPA's own autograd formula gives the backward when
+AOTAutograd traces the graph, so the fused op brings its own backward without matching backward graphs
+node by node (Inductor's joint-graph patterns need ~30 traced variants and still miss today's
+transformers). The SDPA backend is chosen by the dispatcher while AOTAutograd traces; this pass sets the
+priority for that trace: on Hopper, cuDNN first (about 1.8x the flash backend there, ../shared/ANCHORS.md),
+then flash, memory-efficient and math, each used only where it supports the case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from kpt_compiler import torch_ir as ir
+from kpt_compiler.pipeline import PassContext, graph_pass
+
+_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    # Which SDPA implementation to prefer. "auto": cudnn, flash, efficient, math on compute capability >= 9.0,
+    # torch's default order elsewhere. A named one goes first; the others follow as fallbacks.
+    backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
+    # Leave attention over fewer key positions than this alone (the fused kernel's fixed cost can lose there).
+    min_seq_len: int = 1
+
+    def __post_init__(self):
+        if self.min_seq_len < 1:
+            raise ValueError(f"min_seq_len must be at least 1, got {self.min_seq_len}")
+
+
+def _supports(target, options) -> str | None:
+    if target.device == "xla":
+        return "XLA lowers attention itself (torch_xla); the rewrite targets CUDA and CPU kernels"
+    return None
+
+
+@graph_pass("attention", summary="hand-written attention (matmul, scale, mask, softmax, matmul) -> fused SDPA",
+            stage="pre_aot", options=AttentionOptions, statistics=("matches", "near_misses", "causal"),
+            supports=_supports)
+def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    changed, evaluated_masks = False, {}
+    for node in list(gm.graph.nodes):
+        if ir.kind(node) != "softmax" or node.graph is not gm.graph:
+            continue
+        found = _match(node)
+        if isinstance(found, _Miss):
+            if found.looks_like_attention:
+                ctx.near_miss(f"{node.name}: {found.reason}")
+            continue
+        if found.seq_len < ctx.options.min_seq_len:
+            ctx.near_miss(f"{node.name}: {found.seq_len} key positions < min_seq_len={ctx.options.min_seq_len}")
+            continue
+        _rewrite(gm, found, ctx, evaluated_masks)
+        changed = True
+    if changed:
+        _drop_dead(gm)
+        order = _backend_order(ctx)
+        if order is not None:
+            ctx.note("SDPA backends, in priority order: " + ", ".join(b.name.lower() for b in order))
+            ctx.during_aot(lambda: _sdpa_priority(order))
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------- matching
+
+
+@dataclasses.dataclass
+class _Miss:
+    reason: str
+    looks_like_attention: bool = True
+
+
+@dataclasses.dataclass
+class _Attention:
+    q: fx.Node
+    k: fx.Node | None  # None: use kt transposed
+    kt: fx.Node
+    v: fx.Node
+    scale: float
+    masks: list[tuple[str, fx.Node, Any]]  # ("add", m, None) | ("keep", cond, fill) in forward order
+    dropout: Any
+    out: fx.Node  # the final matmul
+    chain: list[fx.Node]  # nodes the rewrite replaces, inputs first
+    softmax: fx.Node
+    seq_len: int
+
+
+def _only_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _scalar(x: Any) -> float | None:
+    """A python number, or a 0-d tensor Dynamo recorded a constant for (torch.full([], c))."""
+    if isinstance(x, (int, float)) and not isinstance(x, bool):
+        return float(x)
+    if isinstance(x, fx.Node) and not ir.depends_on_inputs(x):
+        val = ir.example_value(x)
+        if isinstance(val, torch.Tensor) and val.dim() == 0:
+            real = ir.evaluate(x.graph.owning_module, x)
+            return float(real) if real is not None else None
+    return None
+
+
+def _is_last_dims_swap(node: fx.Node) -> bool:
+    val = ir.example_value(node)
+    nd = val.dim()
+    if ir.kind(node) == "transpose":
+        dims = {ir.arg(node, "dim0") % nd, ir.arg(node, "dim1") % nd}
+        return dims == {nd - 1, nd - 2}
+    if ir.kind(node) == "permute":
+        dims = [d % nd for d in ir.arg(node, "dims")]
+        return dims == list(range(nd - 2)) + [nd - 1, nd - 2]
+    return False
+
+
+def _peel_scale(node: Any) -> tuple[Any, float, list[fx.Node]]:
+    """x * a, a * x, x / a (a a constant), repeatedly -> (x, the product of the factors, the nodes peeled)."""
+    factor, peeled = 1.0, []
+    while ir.kind(node) in ("mul", "div") and _only_user(node) is not None:
+        x, c = ir.arg(node, "input"), ir.arg(node, "other")
+        if ir.kind(node) == "mul" and not isinstance(x, fx.Node):
+            x, c = c, x
+        value = _scalar(c)
+        if value is None or value == 0 or not isinstance(x, fx.Node) or _scalar(x) is not None:
+            break
+        factor *= value if ir.kind(node) == "mul" else 1.0 / value
+        peeled.append(node)
+        node = x
+    return node, factor, peeled
+
+
+def _match(sm: fx.Node) -> _Attention | _Miss:
+    val = ir.example_value(sm)
+    if not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return _Miss("not a tensor softmax", False)
+    dim = ir.arg(sm, "dim", None)
+    if not isinstance(dim, int) or dim % val.dim() != val.dim() - 1:
+        return _Miss("softmax is not over the last dimension", False)
+
+    # downwards from softmax: casts, dropout, then the product with the values
+    down, node, dropout = [], sm, 0.0
+    while True:
+        user = _only_user(node)
+        if user is None:
+            return _Miss("the attention probabilities are also used elsewhere (returned as attention weights?)",
+                         _reaches_matmul(node))
+        k = ir.kind(user)
+        if k == "matmul" and ir.arg(user, "input") is node:
+            out, v = user, ir.arg(user, "other")
+            break
+        if k == "dropout":
+            p, training = ir.arg(user, "p", 0.5), ir.arg(user, "training", True)
+            if not isinstance(p, (int, float)) or not isinstance(training, bool):
+                return _Miss("dropout with a probability or mode known only at run time")
+            dropout = float(p) if training else 0.0
+        elif not (k == "contiguous" or k == "cast" and ir.cast_dtype(user) != "other"):
+            return _Miss(f"softmax feeds {user.format_node()[:80]}", False)
+        down.append(user)
+        node = user
+
+    # upwards from softmax: casts, then masks (where / masked_fill / add), then the scale, then q @ k^T
+    up, masks, node = [], [], ir.arg(sm, "input")
+    while ir.kind(node) in ("cast", "contiguous", "add", "where", "masked_fill"):
+        if _only_user(node) is None:
+            return _Miss("the attention scores are also used elsewhere")
+        k = ir.kind(node)
+        if k == "cast":
+            if ir.cast_dtype(node) not in (None, torch.float32):
+                return _Miss("the scores are cast to a lower precision before softmax")
+            scores = ir.arg(node, "input")
+        elif k == "contiguous":
+            scores = ir.arg(node, "input")
+        elif k == "add":
+            a, b = ir.arg(node, "input"), ir.arg(node, "other")
+            if node.kwargs.get("alpha", 1) != 1 or not (isinstance(a, fx.Node) and isinstance(b, fx.Node)):
+                return _Miss("an add on the scores that is not a mask")
+            scores, m = (a, b) if _reaches_matmul_up(a) else (b, a)
+            masks.insert(0, ("add", m, None))
+        elif k == "where":
+            cond, a, b = ir.arg(node, "condition"), ir.arg(node, "input"), ir.arg(node, "other")
+            if _scalar(b) is not None and _reaches_matmul_up(a):
+                scores, how, fill = a, "keep", _scalar(b)
+            elif _scalar(a) is not None and _reaches_matmul_up(b):
+                scores, how, fill = b, "drop", _scalar(a)
+            else:
+                return _Miss("torch.where on the scores that is not a mask with a constant")
+            masks.insert(0, (how, cond, fill))
+        else:
+            scores, m, fill = ir.arg(node, "input"), ir.arg(node, "mask"), _scalar(ir.arg(node, "value"))
+            if fill is None:
+                return _Miss("masked_fill with a value known only at run time")
+            masks.insert(0, ("drop", m, fill))
+        up.append(node)
+        node = scores
+    if ir.kind(node) in ("mul", "div"):
+        inner, scale, peeled = _peel_scale(node)
+        up += peeled
+        node = inner
+    else:
+        scale = 1.0
+    if ir.kind(node) != "matmul":
+        return _Miss(f"{node.format_node()[:70] if isinstance(node, fx.Node) else node} where the scores should be")
+    if _only_user(node) is None:
+        return _Miss("the attention scores are also used elsewhere")
+    qk = node
+
+    q, q_factor, q_peeled = _peel_scale(ir.arg(qk, "input"))
+    kt = ir.arg(qk, "other")
+    key, k_factor, k_peeled = None, 1.0, []
+    if ir.kind(kt) in ("transpose", "permute") and _is_last_dims_swap(kt):
+        key, k_factor, k_peeled = _peel_scale(ir.arg(kt, "input"))
+    qv, kv, vv, outv = (ir.example_value(x) for x in (q, key if key is not None else kt, v, out))
+    for name, t in (("query", qv), ("key", kv), ("value", vv)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 3:
+            return _Miss(f"{name} is not a batched tensor")
+    if not (qv.dtype == kv.dtype == vv.dtype == outv.dtype) or not qv.dtype.is_floating_point:
+        return _Miss(f"dtypes differ or are not floating point: q {qv.dtype}, k {kv.dtype}, v {vv.dtype}")
+    if not qv.dim() == kv.dim() == vv.dim():
+        return _Miss("query, key and value have different ranks")
+    up_dtype = ir.arg(sm, "dtype", None)
+    if up_dtype not in (None, torch.float32, qv.dtype):
+        return _Miss(f"softmax in {up_dtype} for {qv.dtype} inputs")
+    for how, m, _ in masks:
+        mv = ir.example_value(m)
+        if not isinstance(mv, torch.Tensor) or (how == "add" and mv.dtype != qv.dtype):
+            return _Miss(f"a {getattr(mv, 'dtype', type(mv).__name__)} mask on {qv.dtype} scores changes their "
+                         "precision; SDPA takes masks in the query's dtype")
+        if how != "add" and mv.dtype != torch.bool:
+            return _Miss("a where/masked_fill condition that is not boolean")
+    seq = kv.shape[-2] if key is not None else kv.shape[-1]
+    return _Attention(q=q, k=key, kt=kt, v=v, scale=scale * q_factor * k_factor, masks=masks, dropout=dropout,
+                      out=out, chain=[*q_peeled, *k_peeled, kt, qk, *reversed(up), sm, *down, out], softmax=sm,
+                      seq_len=seq if isinstance(seq, int) else 1 << 30)
+
+
+def _reaches_matmul_up(node: Any, depth: int = 6) -> bool:
+    """Is ``node`` on the scores path (a query-key product within a few element-wise steps above it)?"""
+    while isinstance(node, fx.Node) and depth > 0:
+        k = ir.kind(node)
+        if k == "matmul":
+            return True
+        if k in ("mul", "div", "cast", "contiguous", "masked_fill"):
+            node = next((a for a in node.args if isinstance(a, fx.Node)), None)
+        elif k == "add":
+            return _reaches_matmul_up(node.args[0], depth - 1) or _reaches_matmul_up(node.args[1], depth - 1)
+        elif k == "where":
+            return _reaches_matmul_up(node.args[1], depth - 1) or _reaches_matmul_up(node.args[2], depth - 1)
+        else:
+            return False
+        depth -= 1
+    return False
+
+
+def _reaches_matmul(node: fx.Node) -> bool:
+    return any(ir.kind(u) == "matmul" or ir.kind(u) in ("cast", "dropout") and _reaches_matmul(u) for u in node.users)
+
+
+# ---------------------------------------------------------------------------------------------- rewriting
+
+
+def _mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, cache: dict) -> str:
+    """What the masks amount to: "none", "causal" (provably lower-triangular, top-left), or "tensor"."""
+    allowed = None
+    for how, m, fill in masks:
+        if m not in cache:
+            cache[m] = ir.evaluate(gm, m)
+        val = cache[m]
+        if val is None:
+            return "tensor"
+        if how == "add":
+            if not val.is_floating_point():
+                return "tensor"
+            # blocked entries must be so negative that exp() makes them exactly 0, as -inf does
+            blocked = val <= torch.finfo(val.dtype).min / 2
+            if not bool(((val == 0) | blocked).all()):
+                return "tensor"  # a real bias (ALiBi, relative position), not just a mask
+            ok = ~blocked
+        else:
+            if val.dtype != torch.bool or fill > torch.finfo(dtype).min / 2:
+                return "tensor"
+            ok = val if how == "keep" else ~val
+        allowed = ok if allowed is None else allowed & ok
+    if allowed is None or bool(allowed.all()):
+        return "none"
+    L, S = allowed.shape[-2:]
+    causal = torch.ones(L, S, dtype=torch.bool, device=allowed.device).tril()
+    return "causal" if bool((allowed == causal).all()) else "tensor"
+
+
+def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node) -> fx.Node:
+    """One attn_mask computing what the where/masked_fill/add steps did, in forward order."""
+    if len(masks) == 1 and masks[0][0] == "keep" and masks[0][2] == -math.inf:
+        return masks[0][1]  # boolean: True attends
+    if len(masks) == 1 and masks[0][0] == "drop" and masks[0][2] == -math.inf:
+        return ir.emit(graph, torch.logical_not, (masks[0][1],), like=like)
+    total = None
+    for how, m, fill in masks:
+        if how == "add":
+            term = m  # _match checked it has the query's dtype
+        else:
+            zero = ir.emit(graph, torch.zeros, ((),), {"dtype": dtype, "device": ir.example_value(m).device},
+                           like=like)
+            keep, drop = (zero, fill) if how == "keep" else (fill, zero)
+            term = ir.emit(graph, torch.where, (m, keep, drop), like=like)
+        total = term if total is None else ir.emit(graph, torch.add, (total, term), like=like)
+    return total
+
+
+def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -> None:
+    graph = gm.graph
+    dtype = ir.example_value(a.q).dtype
+    kind = _mask_kind(gm, a.masks, dtype, cache)
+    with graph.inserting_before(a.out):
+        key = a.k if a.k is not None else ir.emit(graph, torch.transpose, (a.kt, -2, -1), like=a.softmax)
+        mask = _build_mask(graph, a.masks, dtype, a.softmax) if kind == "tensor" else None
+        sdpa = ir.emit(graph, F.scaled_dot_product_attention, (a.q, key, a.v),
+                       {"attn_mask": mask, "dropout_p": a.dropout, "is_causal": kind == "causal", "scale": a.scale},
+                       like=a.softmax)
+    a.out.replace_all_uses_with(sdpa)
+    for node in reversed(a.chain):
+        if not node.users:
+            graph.erase_node(node)
+    ctx.count()
+    if kind == "causal":
+        ctx.count("causal")
+    detail = {"causal": "causal (mask proven lower-triangular)", "none": "no mask",
+              "tensor": "attn_mask " + "+".join(h for h, _, _ in a.masks)}[kind]
+    ctx.note(f"{a.softmax.name}: {detail}, scale {a.scale:.4g}, dropout {a.dropout:g}")
+
+
+def _drop_dead(gm: fx.GraphModule) -> None:
+    """Remove what only the old masks used (pure computations on constants), never anything impure."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(gm.graph.nodes)):
+            if node.users or node.op not in ("call_function", "call_method") or node.is_impure():
+                continue
+            if node.op == "call_method" and str(node.target).endswith("_"):
+                continue  # in-place
+            if ir.depends_on_inputs(node):
+                continue
+            gm.graph.erase_node(node)
+            changed = True
+
+
+def _backend_order(ctx: PassContext):
+    from torch.nn.attention import SDPBackend
+
+    names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    choice = ctx.options.backend
+    if choice == "auto":
+        if not (ctx.target.is_cuda and ctx.target.capability and ctx.target.capability >= (9, 0)):
+            return None
+        choice = "cudnn"
+    first = names[choice]
+    return [first] + [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                                  SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != first]
+
+
+@contextlib.contextmanager
+def _sdpa_priority(order):
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(order, set_priority=True):
+        yield
