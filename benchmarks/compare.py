@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         print(f"note     {note}")
     counts = {g: sum(1 for f in flagged if f[0] == g) for g in order}
-    print(f"{len(flagged)} regression(s): " + ", ".join(f"{n} {g}" for g, n in counts.items())
+    print(f"{len(flagged)} regression(s): " + ", ".join(f"{n} {g}" for g, n in counts.items() if n)
           if flagged else "no regressions")
     return 1 if counts["severe"] else 0
 

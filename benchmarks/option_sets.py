@@ -1,8 +1,8 @@
 """Named kernelpytorch option sets: each runs as mode ``kpt[<name>]`` beside plain ``kpt`` (default options).
 
 torch.compile refuses ``mode=`` together with ``options=``, so a mode goes inside the options.
-Later passes add their sets here, e.g. {"attention": {"attention": True}}, so every benchmark run shows
-what each one buys on every model.
+Plain ``kpt`` runs every pass that is on by default (attention); a set that switches one off shows what that
+pass buys on every model. Later passes add their sets here.
 """
 
 OPTION_SETS: dict[str, dict] = {

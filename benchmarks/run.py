@@ -19,11 +19,8 @@ gives "skipped: <reason>" rows; rows past --max-minutes give "skipped: time budg
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
 import datetime
-import gc
-import json
+import importlib
 import os
 import platform
 import re
@@ -34,16 +31,15 @@ import sys
 import time
 import traceback
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import kpt_compiler
-from kpt_compiler.bench import first_tensor, peak_memory, relative_error, timing_ms
-from kpt_compiler.models.zoo import MissingLibrary, build
+from kpt_compiler.models.zoo import MissingLibrary
 
-from . import outputs
+from . import measure, outputs
+from .measure import uses_cudagraphs
 from .option_sets import OPTION_SETS
 from .zoo import Case, Entry, cases
 
@@ -64,12 +60,6 @@ def all_modes() -> dict[str, dict[str, Any] | None]:
     return modes
 
 
-def uses_cudagraphs(kwargs: dict[str, Any] | None) -> bool:
-    kwargs = kwargs or {}
-    mode = kwargs.get("mode") or kwargs.get("options", {}).get("mode")
-    return mode in ("reduce-overhead", "max-autotune")
-
-
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", choices=["quick", "full"], default="quick")
@@ -78,7 +68,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--models", default=None, help="comma-separated zoo entries (default: all)")
     p.add_argument("--modes", default=None, help=f"comma-separated subset of: {', '.join(all_modes())}")
     p.add_argument("--max-minutes", type=float, default=None,
-                   help="skip the rows that would end past this (default: 4.5 quick, 9.5 full)")
+                   help="skip the rows that would end past this (default: 4.5 quick, 9 full)")
     p.add_argument("--rep-ms", type=float, default=None, help="timing budget per row (default: 1000 cuda, 200 cpu)")
     p.add_argument("--save", action="store_true", help="also copy the JSON and table into benchmarks/results/<card>/")
     return p.parse_args(argv)
@@ -95,11 +85,14 @@ def _select_modes(arg: str | None, device: str) -> dict[str, dict[str, Any] | No
     return {m: modes[m] for m in modes if m in names}
 
 
-def _version(dist: str) -> str | None:
+def _version(name: str) -> str | None:
     try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:  # e.g. triton shipped as pytorch-triton
+        try:
+            return getattr(importlib.import_module(name), "__version__", None)
+        except ImportError:
+            return None
 
 
 def _git_commit() -> str | None:
@@ -118,7 +111,7 @@ def card_slug(card: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
 
 
-def _meta(args: argparse.Namespace, argv: list[str], device: str, modes: list[str], rep_ms: float) -> dict:
+def _meta(args: argparse.Namespace, command: str, device: str, modes: list[str], rep_ms: float) -> dict:
     card = torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
     return {
         "suite": args.suite,
@@ -126,7 +119,7 @@ def _meta(args: argparse.Namespace, argv: list[str], device: str, modes: list[st
         "card": card if device == "cuda" else "cpu",
         "card_detail": card,
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": shlex.join([os.path.basename(sys.executable), "-m", "benchmarks.run", *argv]),
+        "command": command,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "triton": _version("triton"),
@@ -140,114 +133,12 @@ def _meta(args: argparse.Namespace, argv: list[str], device: str, modes: list[st
         "timing": (f"triton.testing.do_bench (CUDA events, L2 flushed), {rep_ms:g} ms per row; median, p20, p80"
                    if device == "cuda" else f"wall clock after warm-up, {rep_ms:g} ms per row; median, p20, p80"),
         "caches": "Inductor FX-graph cache and AOTAutograd cache off; each compiled mode starts from a fresh "
-                  "Inductor/Triton cache directory: compile s is a real compile",
-        "reference": "eager float32 copy of the model (same weights, same inputs); dropout off in every model "
-                     "so outputs are deterministic",
+                  "Inductor/Triton cache directory: compile s is a real compile"
+                  + (" (after a warm-up compile that takes the process's one-time costs)" if device == "cuda" else ""),
+        "reference": "eager float32 copy of the model (same weights, same inputs, TF32 off); dropout off in "
+                     "every model so outputs are deterministic",
         "loss": "training: cross-entropy of the output's last dimension against fixed random targets",
     }
-
-
-def _fresh_caches():
-    # Inductor keeps generated code and Triton binaries on disk across modes and runs; a fresh folder per
-    # compiled mode keeps one mode's compile from reusing another's kernels.
-    from torch._inductor.utils import fresh_inductor_cache
-
-    return fresh_inductor_cache()
-
-
-def _cleanup(device: str) -> None:
-    torch._dynamo.reset()
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def measure(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Case, compile_kwargs: dict | None,
-            device: str, rep_ms: float) -> dict[str, Any]:
-    """Compile (unless eager), then the first call, error against ``ref``, timing and peak memory of one step."""
-    training = case.task == "training"
-    fn = torch.compile(model, **compile_kwargs) if compile_kwargs else model
-    cudagraphs = uses_cudagraphs(compile_kwargs)
-    target = None
-    if training:  # fixed random classes for the output's last dimension (next tokens, image classes)
-        g = torch.Generator().manual_seed(0)
-        target = torch.randint(0, ref.shape[-1], ref.shape[:-1], generator=g).flatten().to(device)
-
-    def step() -> torch.Tensor:
-        if cudagraphs:  # a new iteration for CUDA graph trees: the previous step's outputs are dead
-            torch.compiler.cudagraph_mark_step_begin()
-        if training:
-            model.zero_grad(set_to_none=True)
-        out = first_tensor(fn(*inputs))
-        if training:
-            F.cross_entropy(out.flatten(0, -2).float(), target).backward()
-        return out
-
-    torch._dynamo.utils.counters.clear()
-    with torch.set_grad_enabled(training):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = step()
-        _sync(device)
-        first_s = time.perf_counter() - t0
-        rel_err = relative_error(out, ref.to(device))
-        del out
-        timing = timing_ms(step, device, warmup_ms=rep_ms / 5, rep_ms=rep_ms)
-        peak = peak_memory(step, device)
-    return {
-        "compile_s": round(first_s, 3) if compile_kwargs else None,
-        "ms": timing.median,
-        "p20_ms": timing.p20,
-        "p80_ms": timing.p80,
-        "noise": timing.noise,
-        "peak_mib": round(peak / 2**20, 1) if peak is not None else None,
-        "rel_err": rel_err,
-        "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] if compile_kwargs else None,
-    }
-
-
-def _prepare(entry: Entry, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Callable[..., tuple]]:
-    torch.manual_seed(0)
-    model, make_inputs = build(entry.builder, **entry.kwargs)
-    # Dropout off: compiled and eager code draw different random numbers, and the output is checked.
-    for m in model.modules():
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    return model.to(device=device, dtype=dtype), make_inputs
-
-
-def _reference(model: torch.nn.Module, inputs: tuple, training: bool) -> torch.Tensor:
-    """The float32 eager output on the same (possibly bf16-rounded) weights, kept on the host."""
-    ref_model = copy.deepcopy(model).float().train(training)
-    with torch.no_grad():
-        ref = first_tensor(ref_model(*inputs)).float().cpu()
-    del ref_model
-    return ref
-
-
-def _status(e: BaseException) -> str:
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"error: {type(e).__name__}: {first}"[:300]
-
-
-def _run_row(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Case, kwargs: dict | None,
-             device: str, rep_ms: float) -> dict[str, Any]:
-    """One mode on one case; raises what the mode raised."""
-    kpt_compiler.clear_reports()
-    torch._dynamo.reset()
-    with _fresh_caches() if kwargs else contextlib.nullcontext():
-        row = measure(model, inputs, ref, case, kwargs, device, rep_ms)
-    if kwargs and kwargs["backend"] == "kernelpytorch":
-        fired: list[str] = []
-        for report in kpt_compiler.reports():
-            fired += [p for p in report.fired() if p not in fired]
-        row["passes"] = fired
-    return row
 
 
 def _run(pairs: list[tuple[Entry, Case]], modes: dict[str, dict | None], device: str, rep_ms: float,
@@ -264,17 +155,18 @@ def _run(pairs: list[tuple[Entry, Case]], modes: dict[str, dict | None], device:
             try:
                 if model_entry is not entry:
                     model = make_inputs = model_entry = None
-                    _cleanup(device)
-                    model, make_inputs = _prepare(entry, device, dtype)
+                    measure.cleanup(device)
+                    model, make_inputs = measure.prepare(entry, device, dtype)
                     model_entry = entry
                 model.train(case.task == "training")
-                inputs = make_inputs(case.batch, case.seq, device)
-                ref = _reference(model, inputs, case.task == "training")
+                inputs = tuple(x.to(dtype) if x.is_floating_point() else x  # images follow the model's dtype
+                               for x in make_inputs(case.batch, case.seq, device))
+                ref = measure.reference(model, inputs, case.task == "training")
             except MissingLibrary as e:
                 setup_error = f"skipped: {e}"
             except Exception as e:  # noqa: BLE001 - recorded in the rows, the run goes on
                 traceback.print_exc()
-                setup_error = _status(e)
+                setup_error = measure.error_status(e)
         case_rows: dict[str, dict] = {}
         for mode, kwargs in modes.items():
             if uses_cudagraphs(kwargs) and not case.cudagraphs:
@@ -291,11 +183,11 @@ def _run(pairs: list[tuple[Entry, Case]], modes: dict[str, dict | None], device:
             else:
                 t0 = time.monotonic()
                 try:
-                    row.update(_run_row(model, inputs, ref, case, kwargs, device, rep_ms))
+                    row.update(measure.run_row(model, inputs, ref, case, kwargs, device, rep_ms))
                 except Exception as e:  # noqa: BLE001 - one row's failure must not end the run
                     traceback.print_exc()
-                    row["status"] = _status(e)
-                _cleanup(device)
+                    row["status"] = measure.error_status(e)
+                measure.cleanup(device)
                 row["row_s"] = round(time.monotonic() - t0, 1)
                 longest_s = max(longest_s, row["row_s"])
             _ratios(row, case_rows)
@@ -305,11 +197,12 @@ def _run(pairs: list[tuple[Entry, Case]], modes: dict[str, dict | None], device:
             outputs.write_json(out, meta, rows)  # after every row, so a killed run keeps what it measured
         del ref, inputs
     del model
-    _cleanup(device)
+    measure.cleanup(device)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
+    from_cli = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse_args(argv)
     start = time.monotonic()
@@ -322,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     rep_ms = args.rep_ms or (1000.0 if device == "cuda" else 200.0)
-    budget_s = 60 * (args.max_minutes or (4.5 if args.suite == "quick" else 9.5))
-    meta = _meta(args, argv, device, list(modes), rep_ms)
+    budget_s = 60 * (args.max_minutes or (4.5 if args.suite == "quick" else 9.0))
+    # the command line as typed when run as a program; as an equivalent one when main() is called in-process
+    command = shlex.join(sys.orig_argv if from_cli else ["python", "-m", "benchmarks.run", *argv])
+    meta = _meta(args, command, device, list(modes), rep_ms)
     os.makedirs(args.out, exist_ok=True)
     print(f"benchmarks: {args.suite} suite on {meta['card_detail']} | torch {meta['torch']} | "
           f"{len(pairs)} cases x {len(modes)} modes | budget {budget_s / 60:.1f} min", flush=True)
@@ -331,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     # First-call times must be real compiles, not artifacts from an earlier run's caches.
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
+        if device == "cuda":  # on the CPU (CI) a warm-up compile would cost more than it explains
+            measure.warm_up(device)
         rows = _run(pairs, modes, device, rep_ms, budget_s, start, args.out, meta)
 
     meta["elapsed_s"] = round(time.monotonic() - start, 1)

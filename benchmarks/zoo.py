@@ -37,7 +37,8 @@ class Entry:
         return f"{case.batch}x3x{case.seq}x{case.seq}" if self.image else f"{case.batch}x{case.seq}"
 
 
-# The quick cases come to about 4 minutes on an H100 (compiles dominate: ~15 s per GPT-2 Inductor compile).
+# Compiles dominate the run time (~15 s per GPT-2 Inductor compile on an H100): the quick cases are estimated
+# at 3-4 minutes there; the progress lines give each row's time for tuning. Not yet measured on the GPU.
 CUDA_ZOO: tuple[Entry, ...] = (
     Entry("gpt2-eager", "gpt2", {"attn": "eager"}, (
         Case("inference", 8, 1024, quick=True),
@@ -52,7 +53,7 @@ CUDA_ZOO: tuple[Entry, ...] = (
     )),
     Entry("tiny-gpt", "tiny-gpt", {}, (
         Case("training", 8, 1024, quick=True, cudagraphs=True),
-        Case("inference", 8, 1024, cudagraphs=True),
+        Case("inference", 8, 1024),
     )),
     Entry("bert-eager", "bert", {"attn": "eager"}, (Case("inference", 32, 512),)),
     Entry("resnet50", "resnet50", {}, (Case("inference", 64, 224),), image=True),

@@ -188,9 +188,15 @@ class CompileOptions:
         return self.passes[name].options
 
     def to_dict(self) -> dict[str, Any]:
-        """A dict that ``parse_options(None, d)`` turns back into an equal object."""
+        """A dict that ``parse_options(None, d)`` turns back into an equal object: passes appear only where the
+        user set them or they differ from their default."""
+        from .pipeline import registered_passes
+
         out = {k: v for k, v in options_to_dict(self).items() if k != "passes"}
+        specs = registered_passes()
         for name, setting in self.passes.items():
+            if not setting.explicit and setting.enabled == specs[name].default:
+                continue
             has_fields = bool(dataclasses.fields(setting.options))
             out[name.replace("-", "_")] = options_to_dict(setting.options) if setting.enabled and has_fields else setting.enabled
         return out

@@ -123,6 +123,9 @@ def emit(graph: fx.Graph, fn: Callable, args: tuple, kwargs: dict | None = None,
     node = graph.call_function(fn, args, kwargs)
     vals = [example_value(a) for a in (*args, *kwargs.values()) if isinstance(a, fx.Node)]
     fake_mode = next((v.fake_mode for v in vals if isinstance(v, torch._subclasses.FakeTensor)), None)
+    if fake_mode is None:  # a factory call (torch.zeros): the graph's own fake mode
+        fake_mode = next((v.fake_mode for v in map(example_value, graph.nodes)
+                          if isinstance(v, torch._subclasses.FakeTensor)), None)
     ev = lambda a: example_value(a) if isinstance(a, fx.Node) else a  # noqa: E731
     with fake_mode if fake_mode is not None else _null():
         node.meta["example_value"] = fn(*[ev(a) for a in args], **{k: ev(v) for k, v in kwargs.items()})

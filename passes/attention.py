@@ -224,6 +224,8 @@ def _match(sm: fx.Node) -> _Attention | _Miss:
         up.append(node)
         node = scores
     if ir.kind(node) in ("mul", "div"):
+        if _only_user(node) is None:
+            return _Miss("the attention scores are also used elsewhere")
         inner, scale, peeled = _peel_scale(node)
         up += peeled
         node = inner
@@ -253,7 +255,7 @@ def _match(sm: fx.Node) -> _Attention | _Miss:
         return _Miss(f"softmax in {up_dtype} for {qv.dtype} inputs")
     for how, m, _ in masks:
         mv = ir.example_value(m)
-        if not isinstance(mv, torch.Tensor) or (how == "add" and mv.dtype != qv.dtype):
+        if not isinstance(mv, torch.Tensor) or (how == "add" and torch.promote_types(mv.dtype, qv.dtype) != qv.dtype):
             return _Miss(f"a {getattr(mv, 'dtype', type(mv).__name__)} mask on {qv.dtype} scores changes their "
                          "precision; SDPA takes masks in the query's dtype")
         if how != "add" and mv.dtype != torch.bool:
@@ -326,8 +328,8 @@ def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node)
         return ir.emit(graph, torch.logical_not, (masks[0][1],), like=like)
     total = None
     for how, m, fill in masks:
-        if how == "add":
-            term = m  # _match checked it has the query's dtype
+        if how == "add":  # _match checked the query's dtype holds the mask exactly
+            term = m if ir.example_value(m).dtype == dtype else ir.emit(graph, torch.Tensor.to, (m, dtype), like=like)
         else:
             zero = ir.emit(graph, torch.zeros, ((),), {"dtype": dtype, "device": ir.example_value(m).device},
                            like=like)

@@ -13,7 +13,7 @@ say "environment .venv: torch 2.13.0 (CPU), transformers, kernelpytorch"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first and pinned: a bare 'torch' requirement would fetch a CUDA build of several GB.
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e ".[test]" transformers
+.venv/bin/pip install -q -e ".[test]" transformers matplotlib
 
 say "tests on torch 2.13"
 .venv/bin/python -m pytest -q -m "not gpu" "$@"

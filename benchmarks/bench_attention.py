@@ -1,0 +1,120 @@
+"""Attention microbenchmark: hand-written attention under kernelpytorch against every SDPA backend.
+
+    python -m benchmarks.bench_attention [--out DIR]    (CUDA only)
+
+For each shape (batch, heads, sequence, head dim; causal or not) it times, in one run on one card:
+  - SDPA with each backend forced (flash, cudnn, efficient): the ceiling kernelpytorch should reach;
+  - the same attention written by hand (q @ k^T * scale, a causal mask built from arange, softmax, @ v)
+    compiled by Inductor (which leaves it unfused) and by kernelpytorch (whose attention pass fuses it).
+TFLOP/s counts 4*B*H*L*S*D for the forward, half of it when causal. The last column is kernelpytorch's
+fraction of the best SDPA backend. Short sequences are included to set the attention pass's min_seq_len.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kpt_compiler.bench import median_ms
+
+SHAPES = [  # (B, H, L, D, causal)
+    (8, 16, 4096, 128, True),
+    (8, 16, 4096, 128, False),
+    (16, 12, 1024, 64, True),
+    (8, 12, 1024, 64, True),  # GPT-2 small at 8 x 1024
+    (1, 12, 512, 64, True),
+    (1, 12, 128, 64, True),
+    (1, 12, 64, 64, True),
+]
+
+
+def hand_written(q, k, v, causal: bool):
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if causal:
+        i = torch.arange(q.shape[-2], device=q.device)
+        mask = torch.zeros(q.shape[-2], k.shape[-2], dtype=q.dtype, device=q.device)
+        scores = scores + mask.masked_fill(i[None, :] > i[:, None], torch.finfo(q.dtype).min)
+    return F.softmax(scores, dim=-1) @ v
+
+
+def _sdpa_ms(backend, q, k, v, causal) -> float | None:
+    from torch.nn.attention import sdpa_kernel
+
+    try:
+        with sdpa_kernel([backend]):
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+            fn()
+            return median_ms(fn, "cuda")
+    except RuntimeError:  # this backend does not support the case
+        return None
+
+
+def main(argv=None) -> int:
+    from torch.nn.attention import SDPBackend
+
+    import kpt_compiler
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    assert torch.cuda.is_available(), "bench_attention needs a CUDA GPU"
+    rows = []
+    for B, H, L, D, causal in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        flop = 4 * B * H * L * L * D * (0.5 if causal else 1.0)
+        times = {name: _sdpa_ms(b, q, k, v, causal) for name, b in (
+            ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
+        fn = lambda q, k, v: hand_written(q, k, v, causal)  # noqa: E731
+        for mode, backend in (("inductor", "inductor"), ("kpt", "kernelpytorch")):
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, backend=backend)
+            with torch.no_grad():
+                compiled(q, k, v)
+                times[mode] = median_ms(lambda: compiled(q, k, v), "cuda")
+        rec = kpt_compiler.last_report().pass_record("attention")
+        with torch.no_grad():
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
+            err = ((compiled(q, k, v).float() - ref).norm() / ref.norm()).item()
+        best = min(t for n, t in times.items() if n in ("flash", "cudnn", "efficient") and t is not None)
+        row = {"shape": [B, H, L, D], "causal": causal, "ms": times,
+               "tflops": {n: (flop / t / 1e9 if t else None) for n, t in times.items()},
+               "kpt_vs_best_sdpa": best / times["kpt"], "kpt_vs_inductor": times["inductor"] / times["kpt"],
+               "matched": rec.matches, "note": rec.notes[-1] if rec.notes else "", "rel_err": err}
+        rows.append(row)
+        print(f"{B}x{H}x{L}x{D} {'causal' if causal else 'full  '}: " + "  ".join(
+            f"{n} {t:.3f}ms" if t else f"{n} n/a" for n, t in times.items()) + f"  kpt/best {row['kpt_vs_best_sdpa']:.2f}",
+            flush=True)
+    card = torch.cuda.get_device_name()
+    lines = [f"Attention, bf16 forward, {card}, torch {torch.__version__}, {datetime.date.today()}; "
+             "command: python -m benchmarks.bench_attention", "",
+             "| B,H,L,D | causal | flash | cudnn | efficient | inductor (hand-written) | kernelpytorch (hand-written) "
+             "| kpt / best SDPA | kpt vs Inductor | rel. err |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        tf = r["tflops"]
+        cell = lambda n: f"{tf[n]:.0f}" if tf.get(n) else "n/a"  # noqa: E731
+        lines.append(f"| {','.join(map(str, r['shape']))} | {'yes' if r['causal'] else 'no'} | {cell('flash')} | "
+                     f"{cell('cudnn')} | {cell('efficient')} | {cell('inductor')} | {cell('kpt')} | "
+                     f"{r['kpt_vs_best_sdpa']:.0%} | {r['kpt_vs_inductor']:.2f}x | {r['rel_err']:.1e} |")
+    lines.append("\nTFLOP/s (causal counts half the FLOPs).")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
+            json.dump({"card": card, "torch": torch.__version__, "date": str(datetime.date.today()), "rows": rows}, f,
+                      indent=1)
+        with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
+            f.write(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

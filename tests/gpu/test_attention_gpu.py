@@ -1,0 +1,76 @@
+"""The attention pass on the GPU: real models in bf16 at model sizes, the backend chosen, training."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kpt_compiler
+from kpt_compiler.bench import first_tensor, relative_error
+
+pytestmark = pytest.mark.gpu
+
+
+def _hf(name, **kw):
+    pytest.importorskip("transformers")
+    from kpt_compiler.models.zoo import build
+
+    torch.manual_seed(0)
+    model, make_inputs = build(name, attn="eager", **kw)
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    if hasattr(model.config, "attention_dropout"):
+        model.config.attention_dropout = 0.0
+    return model.cuda(), make_inputs
+
+
+@pytest.mark.parametrize("name, kw", [("gpt2", dict(n_layer=4)), ("llama", dict(n_layer=4)), ("bert", dict(n_layer=4))])
+def test_models_bf16_inference(name, kw):
+    model, make_inputs = _hf(name, **kw)
+    model.eval()
+    (ids,) = make_inputs(4, 512, "cuda")
+    with torch.no_grad():
+        ref = first_tensor(model(ids)).float()  # fp32 eager
+        compiled = torch.compile(copy.deepcopy(model).bfloat16(), backend="kernelpytorch")
+        out = first_tensor(compiled(ids)).float()
+        eager_bf16 = first_tensor(copy.deepcopy(model).bfloat16()(ids)).float()
+    # fused attention is at least as accurate as bf16 eager, with some slack for rounding order
+    assert relative_error(out, ref) <= 1.5 * relative_error(eager_bf16, ref) + 1e-3
+    report = kpt_compiler.last_report()
+    rec = report.pass_record("attention")
+    assert rec.matches == 4
+    assert rec.stats.get("causal", 0) == (0 if name == "bert" else 4)
+    joint_ops = report.stages["joint"].ops_after
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert any("cudnn_attention" in op for op in joint_ops), joint_ops
+
+
+def test_llama_training_step_bf16():
+    model, make_inputs = _hf("llama", n_layer=2)
+    model.train()
+    ref_model = copy.deepcopy(model)  # fp32
+    (ids,) = make_inputs(2, 256, "cuda")
+    compiled = torch.compile(model.bfloat16(), backend="kernelpytorch")
+    out = first_tensor(compiled(ids))
+    out.float().square().mean().backward()
+    ref = first_tensor(ref_model(ids))
+    ref.square().mean().backward()
+    assert relative_error(out, ref) < 2e-2
+    errs = [relative_error(p.grad, pr.grad) for p, pr in zip(model.parameters(), ref_model.parameters())
+            if pr.grad is not None and pr.grad.norm() > 1e-6]
+    assert max(errs) < 0.1, max(errs)
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 2 and "backward" in kpt_compiler.last_report().stages
+
+
+def test_fp32_inputs_on_cuda_stay_exact_enough():
+    model, make_inputs = _hf("gpt2", n_layer=2)
+    model.eval()
+    (ids,) = make_inputs(2, 128, "cuda")
+    with torch.no_grad():
+        ref = first_tensor(copy.deepcopy(model).double()(ids))
+        out = first_tensor(torch.compile(model, backend="kernelpytorch")(ids))
+    assert relative_error(out, ref) < 1e-3  # TF32 may be used by the fused kernels
+    assert kpt_compiler.last_report().pass_record("attention").matches == 2

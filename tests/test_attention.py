@@ -1,0 +1,315 @@
+"""The attention pass: each hand-written form becomes SDPA with the same numerics (forward and gradients),
+and the near misses stay as they were, with the reason in the report."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kpt_compiler
+from kpt_compiler.bench import first_tensor, relative_error
+
+B, H, L, D = 2, 3, 9, 16  # odd sizes on purpose
+TOL = 1e-5  # fp32 against a float64 reference
+
+
+def _qkv(requires_grad=False, heads_kv=H):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H, L, D, generator=g)
+    k = torch.randn(B, heads_kv, L, D, generator=g)
+    v = torch.randn(B, heads_kv, L, D, generator=g)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
+
+
+def _compile(fn, options=None):
+    return torch.compile(fn, backend="kernelpytorch", options={"codegen": "eager", **(options or {})})
+
+
+def _check(fn, *, matches=1, causal=None, train=True, extra=(), options=None, status=None):
+    """Compile ``fn(q, k, v, *extra)``, compare with float64 eager (output and gradients), return the record."""
+    q, k, v = _qkv(requires_grad=train)
+    out = _compile(fn, options)(q, k, v, *extra)
+    ref_inputs = [t.detach().double().requires_grad_(train) for t in (q, k, v)]
+    ref_extra = [e.double() if isinstance(e, torch.Tensor) and e.is_floating_point() else e for e in extra]
+    ref = fn(*ref_inputs, *ref_extra)
+    assert relative_error(out, ref) < TOL
+    if train:
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for t, r in zip((q, k, v), ref_inputs):
+            assert relative_error(t.grad, r.grad) < TOL
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == matches, rec.notes
+    assert rec.status == (status or ("applied" if matches else "unchanged"))
+    if causal is not None:
+        assert rec.stats.get("causal", 0) == causal, rec.notes
+    if matches:
+        assert "scaled_dot_product_attention" in kpt_compiler.last_report().stages["pre_aot"].ops_after
+    return rec
+
+
+def _causal_tril(n=L):
+    return torch.tril(torch.ones(n, n, dtype=torch.bool))
+
+
+# --------------------------------------------------------------------------------------------- forms
+
+
+def test_scale_on_scores_multiply():
+    _check(lambda q, k, v: F.softmax((q @ k.transpose(-2, -1)) * D**-0.5, dim=-1) @ v)
+
+
+def test_scale_on_scores_divide_and_method_spellings():
+    _check(lambda q, k, v: torch.matmul(q, k.transpose(2, 3)).div(math.sqrt(D)).softmax(dim=-1).matmul(v))
+
+
+def test_scale_on_query_before_the_product():
+    _check(lambda q, k, v: torch.softmax((q * D**-0.5) @ k.transpose(-1, -2), -1) @ v)
+
+
+def test_scale_on_query_and_key():
+    s = D**-0.25
+    _check(lambda q, k, v: torch.softmax((q * s) @ (k * s).permute(0, 1, 3, 2), dim=-1) @ v)
+
+
+def test_no_scale_and_key_given_pre_transposed():
+    kt_fn = lambda q, k, v: torch.softmax(q @ k, dim=-1) @ v  # noqa: E731  (k is [.., D, L] already)
+    q, k, v = _qkv()
+    k = k.transpose(-2, -1).contiguous()
+    out = _compile(kt_fn)(q, k, v)
+    assert relative_error(out, kt_fn(q.double(), k.double(), v.double())) < TOL
+    assert kpt_compiler.last_report().pass_record("attention").matches == 1
+
+
+def test_causal_from_a_tril_buffer_masked_fill_minus_inf():
+    mask = _causal_tril()
+    # the buffer is a graph input, so its triangle is not proven: an exact boolean attn_mask instead
+    rec = _check(lambda q, k, v, m: F.softmax((q @ k.transpose(-2, -1) / 4.0).masked_fill(~m, float("-inf")), -1) @ v,
+                 extra=(mask,), causal=0)
+    assert "attn_mask drop" in rec.notes[0]
+
+
+def test_causal_gpt2_style_where_with_dtype_minimum():
+    mask = _causal_tril().view(1, 1, L, L)
+
+    def gpt2(q, k, v, m):
+        w = torch.matmul(q, k.transpose(-1, -2)) / torch.full([], 4.0, dtype=q.dtype)
+        w = torch.where(m, w, torch.finfo(w.dtype).min)
+        return torch.matmul(F.softmax(w, dim=-1).type(v.dtype), v)
+
+    _check(gpt2, extra=(mask,), causal=0)
+
+
+def test_causal_mask_built_in_the_graph_is_proven_and_dropped():
+    def f(q, k, v):
+        i = torch.arange(q.shape[-2])
+        keep = i[None, :] <= i[:, None]
+        mask = torch.zeros(keep.shape, dtype=q.dtype).masked_fill(~keep, torch.finfo(q.dtype).min)
+        return F.softmax(q @ k.transpose(-2, -1) * 0.25 + mask, dim=-1) @ v
+
+    rec = _check(f, causal=1)
+    assert "causal (mask proven lower-triangular)" in rec.notes[0]
+
+
+def test_sliding_window_built_in_the_graph_stays_an_exact_mask():
+    def f(q, k, v):
+        i = torch.arange(q.shape[-2])
+        keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+        return F.softmax((q @ k.transpose(-2, -1)).masked_fill(~keep, float("-inf")), dim=-1) @ v
+
+    _check(f, causal=0)
+
+
+def test_additive_padding_mask_bert_style():
+    pad = torch.zeros(B, 1, 1, L)
+    pad[1, ..., -3:] = torch.finfo(torch.float32).min
+    _check(lambda q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25 + m, dim=-1) @ v, extra=(pad,), causal=0)
+
+
+def test_boolean_mask_with_where_minus_inf():
+    keep = torch.rand(B, 1, L, L, generator=torch.Generator().manual_seed(1)) > 0.3
+    keep[..., 0] = True  # no fully masked row (eager gives NaN there)
+    _check(lambda q, k, v, m: F.softmax(torch.where(m, q @ k.transpose(-1, -2), float("-inf")), -1) @ v, extra=(keep,))
+
+
+def test_alibi_style_bias_is_an_exact_float_mask():
+    slopes = torch.tensor([0.5, 0.25, 0.125]).view(1, H, 1, 1)
+    pos = torch.arange(L)
+    bias = -(slopes * (pos[None, :] - pos[:, None]).abs()).float()
+    rec = _check(lambda q, k, v, b: F.softmax(q @ k.transpose(-2, -1) * 0.25 + b, dim=-1) @ v, extra=(bias,))
+    assert "attn_mask add" in rec.notes[0]
+
+
+def test_softmax_upcast_to_float32_and_back():
+    def llama(q, k, v):
+        w = torch.matmul(q, k.transpose(2, 3)) * 0.25
+        return torch.matmul(F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+    _check(llama)
+    _check(lambda q, k, v: F.softmax((q @ k.transpose(-2, -1)).float(), -1).type(v.dtype) @ v)
+
+
+def test_grouped_query_attention_repeat_kv():
+    def repeat_kv(x, n):
+        b, h, s, d = x.shape
+        return x[:, :, None, :, :].expand(b, h, n, s, d).reshape(b, h * n, s, d)
+
+    def gqa(q, k, v):
+        k, v = repeat_kv(k, 3), repeat_kv(v, 3)
+        return F.softmax(q @ k.transpose(2, 3) * 0.25, dim=-1) @ v
+
+    q, _, _ = _qkv(requires_grad=True)
+    k = torch.randn(B, 1, L, D, requires_grad=True)
+    v = torch.randn(B, 1, L, D, requires_grad=True)
+    out = _compile(gqa)(q, k, v)
+    ref = gqa(q.double(), k.double(), v.double())
+    assert relative_error(out, ref) < TOL
+    out.sum().backward()
+    assert k.grad is not None and kpt_compiler.last_report().pass_record("attention").matches == 1
+
+
+def test_dropout_in_eval_and_in_training():
+    def f(q, k, v, training):
+        return F.dropout(F.softmax(q @ k.transpose(-2, -1) * 0.25, -1), p=0.3, training=training) @ v
+
+    rec = _check(lambda q, k, v: f(q, k, v, False), train=False)
+    assert "dropout 0" in rec.notes[0]
+    torch._dynamo.reset()
+    q, k, v = _qkv(requires_grad=True)
+    torch.manual_seed(0)
+    _compile(lambda q, k, v: f(q, k, v, True))(q, k, v).sum().backward()
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 1 and "dropout 0.3" in rec.notes[0]  # same probability, SDPA's own random stream
+
+
+def test_several_attentions_in_one_graph():
+    def two(q, k, v):
+        a = F.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v
+        return F.softmax(a @ k.transpose(-2, -1) * 0.25, -1) @ v
+
+    _check(two, matches=2)
+
+
+# --------------------------------------------------------------------------------------------- near misses
+
+
+def _near_miss(fn, reason, extra=(), dtype=torch.float32):
+    q, k, v = (t.to(dtype) for t in _qkv())
+    out = _compile(fn)(q, k, v, *extra)
+    torch.testing.assert_close(first_tensor(out), first_tensor(fn(q, k, v, *extra)), rtol=1e-5, atol=1e-6)
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 0 and rec.status == "unchanged"
+    assert rec.stats["near_misses"] >= 1 and any(reason in n for n in rec.notes), rec.notes
+    assert "scaled_dot_product_attention" not in kpt_compiler.last_report().stages["pre_aot"].ops_after
+
+
+def test_attention_weights_returned_are_left_alone():
+    def f(q, k, v):
+        w = F.softmax(q @ k.transpose(-2, -1) * 0.25, -1)
+        return w @ v, w
+
+    _near_miss(f, "attention probabilities are also used elsewhere")
+
+
+def test_scores_used_elsewhere_are_left_alone():
+    def f(q, k, v):
+        s = q @ k.transpose(-2, -1) * 0.25
+        return F.softmax(s, -1) @ v + s.mean()
+
+    _near_miss(f, "scores are also used elsewhere")
+
+
+def test_soft_capping_is_not_expressible_in_sdpa():
+    def f(q, k, v):
+        s = q @ k.transpose(-2, -1) * 0.25
+        s = torch.tanh(s / 30.0) * 30.0
+        return F.softmax(s, -1) @ v
+
+    _near_miss(f, "where the scores should be")
+
+
+def test_mask_in_a_wider_dtype_would_change_precision():
+    mask = torch.zeros(1, 1, L, L)  # float32 mask on bfloat16 scores: eager computes the softmax in float32
+    _near_miss(lambda q, k, v, m: F.softmax(q @ k.transpose(-2, -1) + m, -1).to(q.dtype) @ v,
+               "changes their precision", extra=(mask,), dtype=torch.bfloat16)
+
+
+def test_mask_in_a_narrower_dtype_is_cast_exactly():
+    mask = torch.zeros(1, 1, L, L, dtype=torch.bfloat16)
+    mask[..., -2:] = -1e4
+    _check(lambda q, k, v, m: F.softmax(q @ k.transpose(-2, -1) + m, -1) @ v, extra=(mask,))
+
+
+# --------------------------------------------------------------------------------------------- options, models
+
+
+def test_switched_off_and_min_seq_len():
+    f = lambda q, k, v: F.softmax(q @ k.transpose(-2, -1), -1) @ v  # noqa: E731
+    _check(f, matches=0, options={"attention": False}, status="disabled")
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+    _compile(f, {"attention": {"min_seq_len": L + 1}})(q, k, v)
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 0 and "min_seq_len" in rec.notes[0]
+
+
+def test_backend_option_is_validated():
+    with pytest.raises(kpt_compiler.OptionError, match="'backend' in options\\['attention'\\] must be 'auto' or"):
+        kpt_compiler.parse_options(None, {"attention": {"backend": "fastest"}})
+
+
+def test_project_gpt_training_matches_eager():
+    from kpt_compiler.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32, vocab_size=97))
+    ref_model = copy.deepcopy(model).double()
+    idx = torch.randint(0, 97, (2, 17))
+    out = _compile(model)(idx)
+    ref = ref_model(idx)
+    assert relative_error(out, ref) < TOL
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    for (name, p), (_, pr) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert relative_error(p.grad, pr.grad) < 1e-4, name
+    assert kpt_compiler.last_report().pass_record("attention").matches == 2
+
+
+HF_MODELS = {
+    "gpt2": dict(n_layer=2),
+    "llama": dict(n_layer=2, hidden=128, heads=4, kv_heads=2),
+    "bert": dict(n_layer=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_transformers_eager_attention(name):
+    pytest.importorskip("transformers")
+    from kpt_compiler.models.zoo import build
+
+    torch.manual_seed(0)
+    model, make_inputs = build(name, attn="eager", **HF_MODELS[name])
+    model.train()  # gradients too; dropout off so eager and SDPA draw no random numbers
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    if hasattr(model.config, "attention_dropout"):
+        model.config.attention_dropout = 0.0
+    ref_model = copy.deepcopy(model).double()
+    (ids,) = make_inputs(2, 12, "cpu")
+    out = first_tensor(_compile(model)(ids))
+    ref = first_tensor(ref_model(ids))
+    assert relative_error(out, ref) < TOL
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    grads = [(p.grad, pr.grad) for p, pr in zip(model.parameters(), ref_model.parameters()) if pr.grad is not None]
+    scale = max(pr.norm().item() for _, pr in grads)
+    for g, gr in grads:
+        assert (g.double() - gr).norm().item() <= 1e-4 * gr.norm().item() + 1e-6 * scale
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 2
+    # transformers builds its causal mask from arange in the graph: proven, so the kernels skip the upper half
+    assert rec.stats.get("causal", 0) == (0 if name == "bert" else 2)

@@ -1,0 +1,151 @@
+"""The benchmark harness on the CPU: the quick suite end to end, regression grading, skipped and failed rows.
+
+No timing is asserted: only that the harness measures, records and grades what it should.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # benchmarks/ is a package at the repository root, run as python -m benchmarks.run
+
+from benchmarks import compare, run  # noqa: E402
+from benchmarks.option_sets import OPTION_SETS  # noqa: E402
+from kpt_compiler.models import zoo  # noqa: E402
+
+HAVE_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+@pytest.mark.inductor
+def test_quick_suite_on_cpu_end_to_end(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--suite", "quick", "--device", "cpu", "--modes", "eager,kpt",
+           "--rep-ms", "50", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    result = json.loads((out / "results.json").read_text())
+    meta, rows = result["meta"], result["rows"]
+    assert meta["suite"] == "quick" and meta["device"] == "cpu" and meta["card"] == "cpu"
+    assert "--suite quick --device cpu" in meta["command"] and meta["date"]
+    assert meta["torch"] and "transformers" in meta and "triton" in meta
+    assert "FX-graph cache and AOTAutograd cache off" in meta["caches"]
+
+    cases = [("tiny-gpt", "inference", "1x32"), ("tiny-gpt", "training", "1x32"), ("gpt2-eager", "inference", "1x32")]
+    expected = [(m, t, s, "fp32", mode) for m, t, s in cases for mode in ("eager", "kpt")]
+    assert [(r["model"], r["task"], r["shape"], r["dtype"], r["mode"]) for r in rows] == expected
+    for r in rows:
+        if r["model"] == "gpt2-eager" and not HAVE_TRANSFORMERS:
+            assert r["status"] == "skipped: transformers is not installed"
+            continue
+        assert r["status"] == "ok", r
+        assert r["ms"] > 0 and r["p20_ms"] <= r["ms"] <= r["p80_ms"] and r["noise"] >= 0
+        assert r["rel_err"] < 1e-4  # float32 against the float32 eager copy
+        assert r["vs_eager"] > 0 and r["vs_inductor"] is None  # no inductor row asked for
+        if r["mode"] == "eager":
+            assert r["compile_s"] is None and r["rel_err"] == 0.0 and "passes" not in r
+        else:
+            assert r["compile_s"] > 0 and isinstance(r["passes"], list) and r["graphs"] >= 1
+
+    table = (out / "results.md").read_text()
+    assert "| model | task | shape | dtype | mode | compile s | median ms | noise % | vs Inductor |" in table
+    assert table.count("| tiny-gpt | training | 1x32 | fp32 |") == 2 and meta["command"] in table
+    if HAVE_MATPLOTLIB:
+        assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:  # the torch 2.9 + torch_xla environment of scripts/test.sh has no matplotlib
+        assert not (out / "results.png").exists() and "matplotlib is not installed: no results.png" in proc.stdout
+    # one progress line per row as it goes, the table last
+    assert proc.stdout.count("] tiny-gpt ") == 4
+    assert proc.stdout.rstrip().endswith(table.rstrip().splitlines()[-1])
+
+
+def test_missing_library_gives_skipped_rows(tmp_path, monkeypatch):
+    reason = "transformers is not installed (planted by the test)"
+
+    def no_transformers(**_):
+        raise zoo.MissingLibrary(reason)
+
+    monkeypatch.setitem(zoo.BUILDERS, "gpt2", no_transformers)
+    out = tmp_path / "bench"
+    assert run.main(["--device", "cpu", "--models", "gpt2-eager", "--modes", "eager,kpt", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["model"], r["mode"], r["status"]) for r in rows] == [
+        ("gpt2-eager", "eager", f"skipped: {reason}"), ("gpt2-eager", "kpt", f"skipped: {reason}")]
+    assert f"skipped: {reason}" in (out / "results.md").read_text()
+
+
+def test_a_failing_mode_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    monkeypatch.setitem(OPTION_SETS, "broken", {"no_such_option": True})
+    out = tmp_path / "bench"
+    assert run.main(["--device", "cpu", "--models", "tiny-gpt", "--modes", "kpt[broken],eager", "--rep-ms", "20",
+                     "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["task"], r["mode"]) for r in rows] == [("inference", "eager"), ("inference", "kpt[broken]"),
+                                                      ("training", "eager"), ("training", "kpt[broken]")]
+    for r in rows:
+        if r["mode"] == "eager":
+            assert r["status"] == "ok"
+        else:
+            assert r["status"].startswith("error: ") and "no_such_option" in r["status"], r["status"]
+            assert r["options"] == {"no_such_option": True}
+
+
+# ---------------------------------------------------------------------------- compare
+
+
+def _row(mode="kpt", ms=10.0, noise=0.02, rel_err=1e-3, status="ok", model="gpt2-eager"):
+    return {"model": model, "task": "inference", "shape": "8x1024", "dtype": "bf16", "mode": mode,
+            "status": status, "ms": ms, "noise": noise, "rel_err": rel_err}
+
+
+def _compare(tmp_path, capsys, old_rows, new_rows):
+    paths = []
+    for name, rows in (("old", old_rows), ("new", new_rows)):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"meta": {"card": "test card"}, "rows": rows}))
+        paths.append(str(path))
+    code = compare.main(paths)
+    return code, capsys.readouterr().out
+
+
+def test_compare_grades_a_large_slowdown_severe(tmp_path, capsys):
+    old = [_row("inductor"), _row("kpt")]
+    new = [_row("inductor"), _row("kpt", ms=15.0)]  # 50% slower, 2% noise: 25x the noise
+    code, out = _compare(tmp_path, capsys, old, new)
+    assert code == 1
+    assert "severe   gpt2-eager inference 8x1024 bf16 kpt: 10.000 -> 15.000 ms" in out
+    assert "inductor" not in out
+
+
+def test_compare_grades_a_small_slowdown_minor(tmp_path, capsys):
+    code, out = _compare(tmp_path, capsys, [_row()], [_row(ms=10.3)])  # 3% slower, 2% noise: 1.5x the noise
+    assert code == 0
+    assert "minor    gpt2-eager inference 8x1024 bf16 kpt" in out and "severe" not in out
+    # within the noise: nothing flagged; the noise has a 2% floor even when a row reports less
+    code, out = _compare(tmp_path, capsys, [_row(noise=0.001)], [_row(ms=10.15, noise=0.001)])
+    assert code == 0 and "no regressions" in out
+
+
+def test_compare_flags_accuracy_regressions_and_new_errors(tmp_path, capsys):
+    old = [_row("kpt"), _row("kpt[ro]"), _row("inductor", rel_err=1e-6)]
+    new = [_row("kpt", rel_err=5e-3), _row("kpt[ro]", status="error: RuntimeError: boom"),
+           _row("inductor", rel_err=5e-5)]  # 50x worse, but under 1e-4: rounding, not a regression
+    code, out = _compare(tmp_path, capsys, old, new)
+    assert code == 1
+    assert "moderate gpt2-eager inference 8x1024 bf16 kpt: rel err 1.0e-03 -> 5.0e-03" in out
+    assert "severe   gpt2-eager inference 8x1024 bf16 kpt[ro]: was ok, now error: RuntimeError: boom" in out
+    assert "inductor" not in out
+
+
+def test_compare_of_an_unchanged_run_flags_nothing(tmp_path, capsys):
+    rows = [_row("eager", ms=25.0), _row("inductor", ms=9.0), _row("kpt", ms=8.5),
+            _row("kpt[ro]", status="skipped: time budget")]
+    code, out = _compare(tmp_path, capsys, rows, rows)
+    assert code == 0
+    assert out.strip() == "no regressions"
