@@ -227,6 +227,9 @@ def _match(sm: fx.Node) -> _Attention | _Miss:
         if _only_user(node) is None:
             return _Miss("the attention scores are also used elsewhere")
         inner, scale, peeled = _peel_scale(node)
+        if not peeled:
+            return _Miss("the scores are scaled by a value known only at run time (with dynamic=True, Dynamo "
+                         "makes float attributes graph inputs)")
         up += peeled
         node = inner
     else:

@@ -231,6 +231,18 @@ def test_soft_capping_is_not_expressible_in_sdpa():
     _near_miss(f, "where the scores should be")
 
 
+def test_scale_known_only_at_run_time():
+    def f(q, k, v, s):
+        return F.softmax(q @ k.transpose(-2, -1) * s, -1) @ v
+
+    q, k, v = _qkv()
+    s = torch.tensor(0.25)
+    out = _compile(f)(q, k, v, s)
+    torch.testing.assert_close(out, f(q, k, v, s))
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 0 and "known only at run time" in rec.notes[0]
+
+
 def test_mask_in_a_wider_dtype_would_change_precision():
     mask = torch.zeros(1, 1, L, L)  # float32 mask on bfloat16 scores: eager computes the softmax in float32
     _near_miss(lambda q, k, v, m: F.softmax(q @ k.transpose(-2, -1) + m, -1).to(q.dtype) @ v,
