@@ -12,21 +12,25 @@ One call per graph Dynamo captures:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
+from . import graph_utils
 from . import report as report_mod
 from .hosts import HOSTS
 from .options import CompileOptions, OptionError, parse_options
-from .pipeline import CompileRun
+from .pipeline import CompileRun, PassFailed
 from .target import Target, detect_target
 
 __all__ = ["kernelpytorch", "BACKEND_NAME"]
 
 BACKEND_NAME = "kernelpytorch"
+log = logging.getLogger("kpt_compiler")
 
 
 def _choose_host(options: CompileOptions, target: Target) -> str:
@@ -62,6 +66,33 @@ def _compile_id() -> str:
         return "-"
 
 
+def _run_pipeline_and_host(gm: fx.GraphModule, example_inputs: Sequence[Any], run: CompileRun) -> Callable:
+    run.run_stage(gm, "pre_aot", is_inference=not torch.is_grad_enabled())
+    with contextlib.ExitStack() as stack:
+        for factory in run.aot_contexts:  # e.g. the SDPA backend priority the attention pass chose
+            stack.enter_context(factory())
+        return HOSTS[run.host](gm, example_inputs, run)
+
+
+def _compile_without(fired: list[str], error: Exception, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                     run: CompileRun, original) -> Callable:
+    """The host failed on the rewritten graph: compile the original again with the passes that fired off,
+    and say so in the report (each of them becomes "failed", with the host's error)."""
+    reason = f"{run.host} could not compile the rewritten graph: {type(error).__name__}: {str(error)[:300]}"
+    log.warning("kernelpytorch: %s; compiling again without %s", reason, ", ".join(fired))
+    graph_utils.restore(gm, original)
+    report = run.report
+    report.notes.append(f"compiled again without {', '.join(fired)}: {reason}")
+    report.stages.clear()
+    options = dataclasses.replace(run.options, disable=tuple(run.options.disable) + tuple(fired))
+    retry = CompileRun(gm, options, run.target, report, dump=run.dump, host=run.host)
+    compiled = _run_pipeline_and_host(gm, example_inputs, retry)
+    for rec in report.passes():
+        if rec.name in fired:
+            rec.status, rec.reason = "failed", reason
+    return compiled
+
+
 def kernelpytorch(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -87,15 +118,20 @@ def kernelpytorch(
         from .dump import DumpWriter
 
         dump = DumpWriter.for_dir(opts.dump_dir)
-    run = CompileRun(gm, opts, target, graph_report, dump=dump)
+    run = CompileRun(gm, opts, target, graph_report, dump=dump, host=host)
     run.check_requested_passes()
     if dump is not None:
         dump.begin_graph(graph_report, run)
-    run.run_stage(gm, "pre_aot", is_inference=not torch.is_grad_enabled())
-    with contextlib.ExitStack() as stack:
-        for factory in run.aot_contexts:  # e.g. the SDPA backend priority the attention pass chose
-            stack.enter_context(factory())
-        compiled = HOSTS[host](gm, example_inputs, run)
+    original = graph_utils.snapshot(gm)
+    try:
+        compiled = _run_pipeline_and_host(gm, example_inputs, run)
+    except PassFailed:
+        raise
+    except Exception as e:  # noqa: BLE001 - the code generator rejected what our passes produced
+        fired = graph_report.fired()
+        if not fired or opts.strict:
+            raise
+        compiled = _compile_without(fired, e, gm, example_inputs, run, original)
     graph_report.compile_ms = (time.perf_counter() - start) * 1e3
     if dump is not None:
         dump.end_graph(graph_report)

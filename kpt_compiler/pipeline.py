@@ -76,6 +76,7 @@ class PassContext:
     stage: str
     is_inference: bool
     mode: str
+    host: str = "inductor"  # what generates code for the rewritten graph: "inductor", "eager" or "xla"
     stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     notes: list[str] = dataclasses.field(default_factory=list)
     # context managers (as factories) to hold while AOTAutograd traces; see during_aot
@@ -226,8 +227,10 @@ def _package_sources() -> list[str]:
 class CompileRun:
     """One call of the backend: its options, target and report, and the pass manager for its stages."""
 
-    def __init__(self, gm: fx.GraphModule, options: CompileOptions, target: Target, report: GraphReport, dump=None):
+    def __init__(self, gm: fx.GraphModule, options: CompileOptions, target: Target, report: GraphReport, dump=None,
+                 host: str = "inductor"):
         self.options = options
+        self.host = host
         self.target = target
         self.report = report
         self.dump = dump  # a dump.DumpWriter or None
@@ -316,7 +319,7 @@ class CompileRun:
             rec.status, rec.reason = "skipped", reason
             return rec, code_before
         ctx = PassContext(options=popts, target=self.target, stage=stage, is_inference=is_inference,
-                          mode=self.options.mode)
+                          mode=self.options.mode, host=self.host)
         snap = graph_utils.snapshot(gm)
         rec.ops_before = graph_utils.op_counts(gm.graph)
         start = time.perf_counter()

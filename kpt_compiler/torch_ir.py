@@ -43,6 +43,7 @@ _add("dropout", ("input", "p", "training"), torch.dropout)
 _add("invert", ("input",), operator.invert, torch.logical_not, torch.bitwise_not, ("method", "logical_not"),
      ("method", "bitwise_not"))
 _add("contiguous", ("input",), ("method", "contiguous"))
+_add("tanh", ("input",), torch.tanh, F.tanh, ("method", "tanh"))
 _add("cast", ("input", "dtype"), ("method", "to"), ("method", "type"))
 for _name in ("float", "half", "bfloat16", "double"):
     _add("cast", ("input",), ("method", _name))
@@ -116,19 +117,20 @@ def copy_meta(src: fx.Node, dst: fx.Node) -> None:
             dst.meta[key] = src.meta[key]
 
 
-def emit(graph: fx.Graph, fn: Callable, args: tuple, kwargs: dict | None = None, *, like: fx.Node | None = None
-         ) -> fx.Node:
-    """Insert ``fn(*args, **kwargs)`` at the graph's insertion point, with its example_value."""
+def emit(graph: fx.Graph, fn: Callable, args: tuple, kwargs: dict | None = None, *, like: fx.Node | None = None,
+         fake_fn: Callable | None = None) -> fx.Node:
+    """Insert ``fn(*args, **kwargs)`` at the graph's insertion point, with its example_value (computed by
+    ``fake_fn`` instead of ``fn`` when given: any function with the same output shape and dtype)."""
     kwargs = kwargs or {}
     node = graph.call_function(fn, args, kwargs)
-    vals = [example_value(a) for a in (*args, *kwargs.values()) if isinstance(a, fx.Node)]
+    vals = [example_value(a) for a in node.all_input_nodes]
     fake_mode = next((v.fake_mode for v in vals if isinstance(v, torch._subclasses.FakeTensor)), None)
     if fake_mode is None:  # a factory call (torch.zeros): the graph's own fake mode
         fake_mode = next((v.fake_mode for v in map(example_value, graph.nodes)
                           if isinstance(v, torch._subclasses.FakeTensor)), None)
-    ev = lambda a: example_value(a) if isinstance(a, fx.Node) else a  # noqa: E731
+    fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), example_value)
     with fake_mode if fake_mode is not None else _null():
-        node.meta["example_value"] = fn(*[ev(a) for a in args], **{k: ev(v) for k, v in kwargs.items()})
+        node.meta["example_value"] = (fake_fn or fn)(*fake_args, **fake_kwargs)
     if like is not None:
         copy_meta(like, node)
     return node

@@ -80,8 +80,7 @@ def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
         if found.seq_len < ctx.options.min_seq_len:
             ctx.near_miss(f"{node.name}: {found.seq_len} key positions < min_seq_len={ctx.options.min_seq_len}")
             continue
-        _rewrite(gm, found, ctx, evaluated_masks)
-        changed = True
+        changed |= _rewrite(gm, found, ctx, evaluated_masks)
     if changed:
         _drop_dead(gm)
         order = _backend_order(ctx)
@@ -113,6 +112,7 @@ class _Attention:
     chain: list[fx.Node]  # nodes the rewrite replaces, inputs first
     softmax: fx.Node
     seq_len: int
+    softcap: float | None = None  # tanh(s / c) * c between the scale and the masks
 
 
 def _only_user(node: fx.Node) -> fx.Node | None:
@@ -144,10 +144,10 @@ def _is_last_dims_swap(node: fx.Node) -> bool:
     return False
 
 
-def _peel_scale(node: Any) -> tuple[Any, float, list[fx.Node]]:
+def _peel_scale(node: Any, limit: int = 8) -> tuple[Any, float, list[fx.Node]]:
     """x * a, a * x, x / a (a a constant), repeatedly -> (x, the product of the factors, the nodes peeled)."""
     factor, peeled = 1.0, []
-    while ir.kind(node) in ("mul", "div") and _only_user(node) is not None:
+    while ir.kind(node) in ("mul", "div") and _only_user(node) is not None and len(peeled) < limit:
         x, c = ir.arg(node, "input"), ir.arg(node, "other")
         if ir.kind(node) == "mul" and not isinstance(x, fx.Node):
             x, c = c, x
@@ -223,6 +223,10 @@ def _match(sm: fx.Node) -> _Attention | _Miss:
             masks.insert(0, ("drop", m, fill))
         up.append(node)
         node = scores
+    softcap, capped = _softcap(node)
+    if softcap is not None:
+        up += capped
+        node = ir.arg(capped[-1], "input")
     if ir.kind(node) in ("mul", "div"):
         if _only_user(node) is None:
             return _Miss("the attention scores are also used elsewhere")
@@ -266,7 +270,22 @@ def _match(sm: fx.Node) -> _Attention | _Miss:
     seq = kv.shape[-2] if key is not None else kv.shape[-1]
     return _Attention(q=q, k=key, kt=kt, v=v, scale=scale * q_factor * k_factor, masks=masks, dropout=dropout,
                       out=out, chain=[*q_peeled, *k_peeled, kt, qk, *reversed(up), sm, *down, out], softmax=sm,
-                      seq_len=seq if isinstance(seq, int) else 1 << 30)
+                      seq_len=seq if isinstance(seq, int) else 1 << 30, softcap=softcap)
+
+
+def _softcap(node: Any) -> tuple[float | None, list[fx.Node]]:
+    """c * tanh(x / c) (or x * (1/c)) -> (c, [the mul, the tanh, the div]); (None, []) otherwise."""
+    if ir.kind(node) != "mul" or _only_user(node) is None:
+        return None, []
+    a, b = ir.arg(node, "input"), ir.arg(node, "other")
+    tanh, cap = (a, _scalar(b)) if ir.kind(a) == "tanh" else (b, _scalar(a))
+    if ir.kind(tanh) != "tanh" or cap is None or cap <= 0 or _only_user(tanh) is None:
+        return None, []
+    inner = ir.arg(tanh, "input")
+    _x, factor, peeled = _peel_scale(inner, limit=1)
+    if len(peeled) != 1 or not math.isclose(factor, 1.0 / cap, rel_tol=1e-6):
+        return None, []
+    return cap, [node, tanh, peeled[0]]
 
 
 def _reaches_matmul_up(node: Any, depth: int = 6) -> bool:
@@ -275,7 +294,7 @@ def _reaches_matmul_up(node: Any, depth: int = 6) -> bool:
         k = ir.kind(node)
         if k == "matmul":
             return True
-        if k in ("mul", "div", "cast", "contiguous", "masked_fill"):
+        if k in ("mul", "div", "cast", "contiguous", "masked_fill", "tanh"):
             node = next((a for a in node.args if isinstance(a, fx.Node)), None)
         elif k == "add":
             return _reaches_matmul_up(node.args[0], depth - 1) or _reaches_matmul_up(node.args[1], depth - 1)
@@ -342,17 +361,25 @@ def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node)
     return total
 
 
-def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -> None:
+def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -> bool:
     graph = gm.graph
     dtype = ir.example_value(a.q).dtype
     kind = _mask_kind(gm, a.masks, dtype, cache)
+    if a.softcap is not None:
+        why = _flex_unsupported(a, kind, ctx)
+        if why:
+            ctx.near_miss(f"{a.softmax.name}: soft-capped attention {why}")
+            return False
     with graph.inserting_before(a.out):
         key = a.k if a.k is not None else ir.emit(graph, torch.transpose, (a.kt, -2, -1), like=a.softmax)
-        mask = _build_mask(graph, a.masks, dtype, a.softmax) if kind == "tensor" else None
-        sdpa = ir.emit(graph, F.scaled_dot_product_attention, (a.q, key, a.v),
-                       {"attn_mask": mask, "dropout_p": a.dropout, "is_causal": kind == "causal", "scale": a.scale},
-                       like=a.softmax)
-    a.out.replace_all_uses_with(sdpa)
+        if a.softcap is not None:
+            fused = _emit_flex(gm, a, key, causal=kind == "causal")
+        else:
+            mask = _build_mask(graph, a.masks, dtype, a.softmax) if kind == "tensor" else None
+            fused = ir.emit(graph, F.scaled_dot_product_attention, (a.q, key, a.v),
+                            {"attn_mask": mask, "dropout_p": a.dropout, "is_causal": kind == "causal",
+                             "scale": a.scale}, like=a.softmax)
+    a.out.replace_all_uses_with(fused)
     for node in reversed(a.chain):
         if not node.users:
             graph.erase_node(node)
@@ -361,7 +388,32 @@ def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -
         ctx.count("causal")
     detail = {"causal": "causal (mask proven lower-triangular)", "none": "no mask",
               "tensor": "attn_mask " + "+".join(h for h, _, _ in a.masks)}[kind]
-    ctx.note(f"{a.softmax.name}: {detail}, scale {a.scale:.4g}, dropout {a.dropout:g}")
+    how = f"FlexAttention, soft-cap {a.softcap:g}, " if a.softcap is not None else ""
+    ctx.note(f"{a.softmax.name}: {how}{detail}, scale {a.scale:.4g}, dropout {a.dropout:g}")
+    return True
+
+
+def _flex_unsupported(a: _Attention, kind: str, ctx: PassContext) -> str | None:
+    """Why the FlexAttention form cannot take this soft-capped attention, or None."""
+    if ctx.host == "inductor" and not ctx.target.is_cuda:
+        return "on the CPU (Inductor's FlexAttention for the CPU has no backward)"
+    if kind == "tensor":
+        return "with a mask that is not provably causal (FlexAttention here takes causal or no mask)"
+    if a.dropout:
+        return "with dropout (FlexAttention has none)"
+    q, k = ir.example_value(a.q), ir.example_value(a.k if a.k is not None else a.kt)
+    if q.dim() != 4 or not all(isinstance(s, int) for s in (*q.shape, *k.shape)):
+        return "with dynamic shapes or not [batch, heads, seq, dim] inputs"
+    return None
+
+
+def _emit_flex(gm: fx.GraphModule, a: _Attention, key: fx.Node, causal: bool) -> fx.Node:
+    from kpt_compiler.kernels import flex_attention as flex
+
+    # The output looks like SDPA's; computing it through the higher-order op here would trace its autograd.
+    return ir.emit(gm.graph, flex.softcap_attention, (a.q, key, a.v),
+                   {"scale": a.scale, "softcap": a.softcap, "causal": causal}, like=a.softmax,
+                   fake_fn=lambda q, k, v, **_: F.scaled_dot_product_attention(q, k, v))
 
 
 def _drop_dead(gm: fx.GraphModule) -> None:

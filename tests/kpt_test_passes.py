@@ -111,3 +111,19 @@ def drop_output(gm, ctx):
     summed.meta["val"] = first.meta["val"].sum()
     out.args = ((summed, *out.args[0][1:]),)
     return True
+
+
+def _untraceable(x):
+    raise RuntimeError("this op cannot be traced")
+
+
+@graph_pass("test-untraceable", summary="swaps torch.sin for a function AOTAutograd cannot trace", stage="pre_aot",
+            default=False)
+def untraceable(gm, ctx):
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.sin:
+            node.target = _untraceable
+            ctx.count()
+            changed = True
+    return changed

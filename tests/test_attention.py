@@ -28,7 +28,8 @@ def _compile(fn, options=None):
     return torch.compile(fn, backend="kernelpytorch", options={"codegen": "eager", **(options or {})})
 
 
-def _check(fn, *, matches=1, causal=None, train=True, extra=(), options=None, status=None):
+def _check(fn, *, matches=1, causal=None, train=True, extra=(), options=None, status=None,
+           op="scaled_dot_product_attention"):
     """Compile ``fn(q, k, v, *extra)``, compare with float64 eager (output and gradients), return the record."""
     q, k, v = _qkv(requires_grad=train)
     out = _compile(fn, options)(q, k, v, *extra)
@@ -47,7 +48,7 @@ def _check(fn, *, matches=1, causal=None, train=True, extra=(), options=None, st
     if causal is not None:
         assert rec.stats.get("causal", 0) == causal, rec.notes
     if matches:
-        assert "scaled_dot_product_attention" in kpt_compiler.last_report().stages["pre_aot"].ops_after
+        assert op in kpt_compiler.last_report().stages["pre_aot"].ops_after
     return rec
 
 
@@ -222,13 +223,42 @@ def test_scores_used_elsewhere_are_left_alone():
     _near_miss(f, "scores are also used elsewhere")
 
 
-def test_soft_capping_is_not_expressible_in_sdpa():
-    def f(q, k, v):
-        s = q @ k.transpose(-2, -1) * 0.25
-        s = torch.tanh(s / 30.0) * 30.0
+def _gemma(q, k, v, causal=True, dropout=0.0):
+    """Gemma-2's eager attention: scale, soft-cap, causal mask from arange, float32 softmax."""
+    s = torch.matmul(q, k.transpose(2, 3)) * D**-0.5
+    s = s / 30.0
+    s = torch.tanh(s)
+    s = s * 30.0
+    if causal:
+        i = torch.arange(q.shape[-2])
+        mask = torch.zeros(q.shape[-2], q.shape[-2], dtype=q.dtype).masked_fill(i[None, :] > i[:, None], -math.inf)
+        s = s + mask
+    p = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+    return F.dropout(p, p=dropout, training=dropout > 0) @ v
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_soft_capping_goes_to_flex_attention(causal):
+    rec = _check(lambda q, k, v: _gemma(q, k, v, causal), causal=int(causal), op="softcap_attention")
+    assert "FlexAttention, soft-cap 30" in rec.notes[0]
+    ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
+    assert "softcap_attention" in ops and "tanh" not in ops
+
+
+def test_soft_capping_with_an_unproven_mask_or_dropout_stays():
+    pad = torch.zeros(B, 1, 1, L)
+    pad[1, ..., -2:] = -1e4
+
+    def padded(q, k, v, m):
+        s = torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 30.0) * 30.0 + m
         return F.softmax(s, -1) @ v
 
-    _near_miss(f, "where the scores should be")
+    _near_miss(padded, "not provably causal", extra=(pad,))
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+    _compile(lambda q, k, v: _gemma(q, k, v, dropout=0.1))(q, k, v)  # random: only the record is checked
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 0 and any("with dropout" in n for n in rec.notes), rec.notes
 
 
 def test_scale_known_only_at_run_time():

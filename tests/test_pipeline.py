@@ -95,6 +95,23 @@ def test_pre_aot_stage_runs_on_the_dynamo_graph():
     assert kpt_compiler.last_report().pass_record("test-pre-aot-sin", "pre_aot").status == "applied"
 
 
+def test_a_rewrite_the_host_cannot_compile_is_compiled_again_without_it():
+    f = lambda x: torch.sin(x) * 2  # noqa: E731
+    x = torch.randn(5)
+    compiled = torch.compile(f, backend="kernelpytorch", options={"codegen": "eager", "test_untraceable": True})
+    torch.testing.assert_close(compiled(x), f(x))
+    report = kpt_compiler.last_report()
+    rec = report.pass_record("test-untraceable")
+    assert rec.status == "failed" and "eager could not compile the rewritten graph" in rec.reason
+    assert "this op cannot be traced" in rec.reason
+    assert any("compiled again without test-untraceable" in n for n in report.notes)
+    torch._dynamo.reset()
+    strict = torch.compile(f, backend="kernelpytorch",
+                           options={"codegen": "eager", "test_untraceable": True, "strict": True})
+    with pytest.raises(Exception, match="this op cannot be traced"):
+        strict(x)
+
+
 def test_training_runs_forward_and_backward_stages():
     model, x, compiled = _eager_compile("mlp", {"test_relu_to_clamp": True})
     compiled(x).sum().backward()

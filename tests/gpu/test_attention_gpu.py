@@ -74,3 +74,29 @@ def test_fp32_inputs_on_cuda_stay_exact_enough():
         out = first_tensor(torch.compile(model, backend="kernelpytorch")(ids))
     assert relative_error(out, ref) < 1e-3  # TF32 may be used by the fused kernels
     assert kpt_compiler.last_report().pass_record("attention").matches == 2
+
+
+def test_soft_capping_goes_to_flex_attention_on_cuda_with_its_backward():
+    import math
+
+    import torch.nn.functional as F
+
+    def gemma(q, k, v):
+        s = torch.tanh(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 / 50.0) * 50.0
+        i = torch.arange(q.shape[-2], device=q.device)
+        s = s + torch.zeros(s.shape[-2:], dtype=q.dtype, device=q.device).masked_fill(i[None, :] > i[:, None],
+                                                                                       -math.inf)
+        return F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = torch.compile(gemma, backend="kernelpytorch")(q, k, v)
+    out.float().square().sum().backward()
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = gemma(*ref_in)
+    ref.square().sum().backward()
+    assert relative_error(out, ref) < 2e-2
+    for t, r in zip((q, k, v), ref_in):
+        assert relative_error(t.grad, r.grad) < 5e-2
+    report = kpt_compiler.last_report()
+    assert report.pass_record("attention").matches == 1
+    assert any("flex_attention" in op for op in report.stages["joint"].ops_after), report.stages["joint"].ops_after
