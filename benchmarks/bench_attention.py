@@ -9,9 +9,11 @@ For each shape (batch, heads, sequence, head dim; causal or not) it times, in on
 TFLOP/s counts 4*B*H*L*S*D for the forward, half of it when causal. The last column is kernelpytorch's
 fraction of the best SDPA backend. Short sequences are included to set the attention pass's min_seq_len.
 
-A second table does the same for soft-capped causal attention (Gemma-2's tanh(s / 30) * 30), which SDPA
-cannot express: the hand-written form under Inductor and under kernelpytorch (which rewrites it to
-FlexAttention), against torch.compile(flex_attention) called directly with the same score_mod and mask.
+A second table does the same for the forms kernelpytorch sends to FlexAttention: soft-capped causal
+attention (Gemma-2's tanh(s / 30) * 30), which SDPA cannot express, and a causal sliding window, which SDPA
+takes only as a dense mask: the hand-written form under Inductor and under kernelpytorch, against
+torch.compile(flex_attention) called directly with the same score_mod and mask, and (window) SDPA with the
+dense mask.
 """
 
 from __future__ import annotations
@@ -46,51 +48,67 @@ def hand_written(q, k, v, causal: bool):
     return F.softmax(scores, dim=-1) @ v
 
 
-SOFTCAP_SHAPES = [(8, 16, 4096, 128), (16, 12, 1024, 64), (8, 12, 1024, 64)]
+FLEX_CASES = [  # (B, H, L, D, soft-cap, window)
+    (8, 16, 4096, 128, 30.0, None),
+    (16, 12, 1024, 64, 30.0, None),
+    (8, 12, 1024, 64, 30.0, None),
+    (8, 16, 4096, 128, None, 512),
+    (8, 12, 1024, 64, None, 256),
+]
 
 
-def hand_written_softcap(q, k, v):
-    scores = torch.tanh(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 / 30.0) * 30.0
+def hand_written_flex_form(q, k, v, softcap, window):
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     i = torch.arange(q.shape[-2], device=q.device)
+    blocked = i[None, :] > i[:, None]
+    if window is not None:
+        blocked = blocked | (i[:, None] - i[None, :] >= window)
     mask = torch.zeros(q.shape[-2], k.shape[-2], dtype=q.dtype, device=q.device)
-    scores = scores + mask.masked_fill(i[None, :] > i[:, None], float("-inf"))
+    scores = scores + mask.masked_fill(blocked, float("-inf"))
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
-def _softcap_rows() -> list[dict]:
+def _flex_rows() -> list[dict]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     import kpt_compiler
-
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return torch.tanh(score / 30.0) * 30.0
-
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx >= kv_idx
+    from kpt_compiler.kernels.flex_attention import _mask_mod, _score_mod
 
     flex = torch.compile(flex_attention)
     rows = []
-    for B, H, L, D in SOFTCAP_SHAPES:
+    for B, H, L, D, softcap, window in FLEX_CASES:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
-        block = create_block_mask(causal, None, None, L, L, device="cuda")
-        times = {"flex (direct)": median_ms(lambda: flex(q, k, v, score_mod=score_mod, block_mask=block), "cuda")}
+        block = create_block_mask(_mask_mod(True, window), None, None, L, L, device="cuda")
+        times = {"flex (direct)": median_ms(
+            lambda: flex(q, k, v, score_mod=_score_mod(softcap), block_mask=block), "cuda")}
+        if window is not None:
+            i = torch.arange(L, device="cuda")
+            keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+            times["sdpa (dense mask)"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
+                                                   "cuda")
+        fn = lambda q, k, v: hand_written_flex_form(q, k, v, softcap, window)  # noqa: E731
         for mode, backend in (("inductor", "inductor"), ("kpt", "kernelpytorch")):
             torch._dynamo.reset()
-            compiled = torch.compile(hand_written_softcap, backend=backend)
+            compiled = torch.compile(fn, backend=backend)
             with torch.no_grad():
                 compiled(q, k, v)
                 times[mode] = median_ms(lambda: compiled(q, k, v), "cuda")
         rec = kpt_compiler.last_report().pass_record("attention")
         with torch.no_grad():
-            ref = hand_written_softcap(q.float(), k.float(), v.float())
+            ref = fn(q.float(), k.float(), v.float())
             err = ((compiled(q, k, v).float() - ref).norm() / ref.norm()).item()
-        flop = 2 * B * H * L * L * D
-        rows.append({"shape": [B, H, L, D], "ms": times, "tflops": {n: flop / t / 1e9 for n, t in times.items()},
+        allowed = L * (L + 1) / 2 if window is None else window * L - window * (window - 1) / 2
+        flop = 4 * B * H * D * allowed
+        form = f"soft-cap {softcap:g}" if softcap is not None else f"window {window}"
+        rows.append({"shape": [B, H, L, D], "form": form, "ms": times,
+                     "tflops": {n: flop / t / 1e9 for n, t in times.items()},
                      "kpt_vs_flex": times["flex (direct)"] / times["kpt"],
                      "kpt_vs_inductor": times["inductor"] / times["kpt"], "matched": rec.matches, "rel_err": err,
                      "note": rec.notes[-1] if rec.notes else ""})
-        print(f"softcap {B}x{H}x{L}x{D}: " + "  ".join(f"{n} {t:.3f}ms" for n, t in times.items()), flush=True)
+        print(f"{form} {B}x{H}x{L}x{D}: " + "  ".join(f"{n} {t:.3f}ms" for n, t in times.items()), flush=True)
     return rows
 
 
@@ -156,21 +174,24 @@ def main(argv=None) -> int:
                      f"{cell('cudnn')} | {cell('efficient')} | {cell('inductor')} | {cell('kpt')} | "
                      f"{r['kpt_vs_best_sdpa']:.0%} | {r['kpt_vs_inductor']:.2f}x | {r['rel_err']:.1e} |")
     lines.append("\nTFLOP/s (causal counts half the FLOPs).")
-    softcap = _softcap_rows()
-    lines += ["", "Soft-capped causal attention (tanh(s / 30) * 30), bf16 forward, TFLOP/s:", "",
-              "| B,H,L,D | flex_attention, compiled directly | Inductor (hand-written) | kernelpytorch (hand-written) "
-              "| kpt / flex | kpt vs Inductor | rel. err |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in softcap:
+    flex_rows = _flex_rows()
+    lines += ["", "Causal forms sent to FlexAttention, bf16 forward, TFLOP/s of the allowed positions:", "",
+              "| B,H,L,D | form | flex_attention, compiled directly | SDPA, dense mask | Inductor (hand-written) "
+              "| kernelpytorch (hand-written) | kpt / flex | kpt vs Inductor | rel. err |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in flex_rows:
         tf = r["tflops"]
-        lines.append(f"| {','.join(map(str, r['shape']))} | {tf['flex (direct)']:.0f} | {tf['inductor']:.0f} | "
-                     f"{tf['kpt']:.0f} | {r['kpt_vs_flex']:.0%} | {r['kpt_vs_inductor']:.2f}x | {r['rel_err']:.1e} |")
+        dense = f"{tf['sdpa (dense mask)']:.0f}" if "sdpa (dense mask)" in tf else "-"
+        lines.append(f"| {','.join(map(str, r['shape']))} | {r['form']} | {tf['flex (direct)']:.0f} | {dense} | "
+                     f"{tf['inductor']:.0f} | {tf['kpt']:.0f} | {r['kpt_vs_flex']:.0%} | {r['kpt_vs_inductor']:.2f}x | "
+                     f"{r['rel_err']:.1e} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
             json.dump({"card": card, "torch": torch.__version__, "date": str(datetime.date.today()), "rows": rows,
-                       "softcap_rows": softcap}, f, indent=1)
+                       "flex_rows": flex_rows}, f, indent=1)
         with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
             f.write(table + "\n")
     return 0

@@ -65,7 +65,7 @@ def _supports(target, options) -> str | None:
 
 
 @graph_pass("attention", summary="hand-written attention (matmul, scale, mask, softmax, matmul) -> fused SDPA",
-            stage="pre_aot", options=AttentionOptions, statistics=("matches", "near_misses", "causal"),
+            stage="pre_aot", options=AttentionOptions, statistics=("matches", "near_misses", "causal", "window"),
             supports=_supports)
 def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
     changed, evaluated_masks = False, {}
@@ -313,33 +313,40 @@ def _reaches_matmul(node: fx.Node) -> bool:
 # ---------------------------------------------------------------------------------------------- rewriting
 
 
-def _mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, cache: dict) -> str:
-    """What the masks amount to: "none", "causal" (provably lower-triangular, top-left), or "tensor"."""
+def _mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, cache: dict) -> tuple[str, int | None]:
+    """What the masks amount to, when they depend on no input: ("none",), ("causal",) for the top-left lower
+    triangle, ("window", w) for a causal sliding window of w positions; ("tensor",) otherwise."""
     allowed = None
     for how, m, fill in masks:
         if m not in cache:
             cache[m] = ir.evaluate(gm, m)
         val = cache[m]
         if val is None:
-            return "tensor"
+            return ("tensor", None)
         if how == "add":
             if not val.is_floating_point():
-                return "tensor"
+                return ("tensor", None)
             # blocked entries must be so negative that exp() makes them exactly 0, as -inf does
             blocked = val <= torch.finfo(val.dtype).min / 2
             if not bool(((val == 0) | blocked).all()):
-                return "tensor"  # a real bias (ALiBi, relative position), not just a mask
+                return ("tensor", None)  # a real bias (ALiBi, relative position), not just a mask
             ok = ~blocked
         else:
             if val.dtype != torch.bool or fill > torch.finfo(dtype).min / 2:
-                return "tensor"
+                return ("tensor", None)
             ok = val if how == "keep" else ~val
         allowed = ok if allowed is None else allowed & ok
     if allowed is None or bool(allowed.all()):
-        return "none"
+        return ("none", None)
     L, S = allowed.shape[-2:]
-    causal = torch.ones(L, S, dtype=torch.bool, device=allowed.device).tril()
-    return "causal" if bool((allowed == causal).all()) else "tensor"
+    i = torch.arange(L, device=allowed.device)[:, None]
+    j = torch.arange(S, device=allowed.device)[None, :]
+    if bool((allowed == (j <= i)).all()):
+        return ("causal", None)
+    window = int(allowed[..., -1, :].sum(-1).max())  # the last row sees the whole window
+    if L == S and bool((allowed == ((j <= i) & (i - j < window))).all()):
+        return ("window", window)
+    return ("tensor", None)
 
 
 def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node) -> fx.Node:
@@ -364,18 +371,24 @@ def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node)
 def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -> bool:
     graph = gm.graph
     dtype = ir.example_value(a.q).dtype
-    kind = _mask_kind(gm, a.masks, dtype, cache)
-    if a.softcap is not None:
-        why = _flex_unsupported(a, kind, ctx)
-        if why:
-            ctx.near_miss(f"{a.softmax.name}: soft-capped attention {why}")
-            return False
+    kind, window = _mask_kind(gm, a.masks, dtype, cache)
+    # FlexAttention for what SDPA cannot express (soft-capping) or cannot make fast (a sliding window: SDPA
+    # reads a dense mask and skips nothing); SDPA with the exact dense mask where FlexAttention cannot go.
+    flex_why = _flex_unsupported(a, kind, ctx) if a.softcap is not None or kind == "window" else "not needed"
+    if a.softcap is not None and flex_why:
+        ctx.near_miss(f"{a.softmax.name}: soft-capped attention {flex_why}")
+        return False
     with graph.inserting_before(a.out):
         key = a.k if a.k is not None else ir.emit(graph, torch.transpose, (a.kt, -2, -1), like=a.softmax)
-        if a.softcap is not None:
-            fused = _emit_flex(gm, a, key, causal=kind == "causal")
+        if not flex_why:
+            from kpt_compiler.kernels.flex_attention import flex_sdpa
+
+            # The output looks like SDPA's; computing it through the higher-order op would trace its autograd.
+            fused = ir.emit(graph, flex_sdpa, (a.q, key, a.v),
+                            {"scale": a.scale, "softcap": a.softcap, "causal": kind == "causal", "window": window},
+                            like=a.softmax, fake_fn=lambda q, k, v, **_: F.scaled_dot_product_attention(q, k, v))
         else:
-            mask = _build_mask(graph, a.masks, dtype, a.softmax) if kind == "tensor" else None
+            mask = _build_mask(graph, a.masks, dtype, a.softmax) if kind in ("tensor", "window") else None
             fused = ir.emit(graph, F.scaled_dot_product_attention, (a.q, key, a.v),
                             {"attn_mask": mask, "dropout_p": a.dropout, "is_causal": kind == "causal",
                              "scale": a.scale}, like=a.softmax)
@@ -384,36 +397,31 @@ def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -
         if not node.users:
             graph.erase_node(node)
     ctx.count()
-    if kind == "causal":
-        ctx.count("causal")
+    if kind in ("causal", "window"):
+        ctx.count(kind)
     detail = {"causal": "causal (mask proven lower-triangular)", "none": "no mask",
+              "window": f"sliding window of {window} (mask proven)",
               "tensor": "attn_mask " + "+".join(h for h, _, _ in a.masks)}[kind]
-    how = f"FlexAttention, soft-cap {a.softcap:g}, " if a.softcap is not None else ""
-    ctx.note(f"{a.softmax.name}: {how}{detail}, scale {a.scale:.4g}, dropout {a.dropout:g}")
+    how = "FlexAttention, " if not flex_why else ""
+    cap = f"soft-cap {a.softcap:g}, " if a.softcap is not None else ""
+    ctx.note(f"{a.softmax.name}: {how}{cap}{detail}, scale {a.scale:.4g}, dropout {a.dropout:g}")
     return True
 
 
 def _flex_unsupported(a: _Attention, kind: str, ctx: PassContext) -> str | None:
-    """Why the FlexAttention form cannot take this soft-capped attention, or None."""
+    """Why the FlexAttention form cannot take this attention, or None."""
     if ctx.host == "inductor" and not ctx.target.is_cuda:
         return "on the CPU (Inductor's FlexAttention for the CPU has no backward)"
+    if ctx.host == "xla":
+        return "on XLA"
     if kind == "tensor":
-        return "with a mask that is not provably causal (FlexAttention here takes causal or no mask)"
+        return "with a mask that is not provably causal or a sliding window"
     if a.dropout:
         return "with dropout (FlexAttention has none)"
     q, k = ir.example_value(a.q), ir.example_value(a.k if a.k is not None else a.kt)
     if q.dim() != 4 or not all(isinstance(s, int) for s in (*q.shape, *k.shape)):
         return "with dynamic shapes or not [batch, heads, seq, dim] inputs"
     return None
-
-
-def _emit_flex(gm: fx.GraphModule, a: _Attention, key: fx.Node, causal: bool) -> fx.Node:
-    from kpt_compiler.kernels import flex_attention as flex
-
-    # The output looks like SDPA's; computing it through the higher-order op here would trace its autograd.
-    return ir.emit(gm.graph, flex.softcap_attention, (a.q, key, a.v),
-                   {"scale": a.scale, "softcap": a.softcap, "causal": causal}, like=a.softmax,
-                   fake_fn=lambda q, k, v, **_: F.scaled_dot_product_attention(q, k, v))
 
 
 def _drop_dead(gm: fx.GraphModule) -> None:

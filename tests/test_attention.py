@@ -115,13 +115,25 @@ def test_causal_mask_built_in_the_graph_is_proven_and_dropped():
     assert "causal (mask proven lower-triangular)" in rec.notes[0]
 
 
-def test_sliding_window_built_in_the_graph_stays_an_exact_mask():
-    def f(q, k, v):
-        i = torch.arange(q.shape[-2])
-        keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
-        return F.softmax((q @ k.transpose(-2, -1)).masked_fill(~keep, float("-inf")), dim=-1) @ v
+def _sliding(q, k, v, dropout=0.0):
+    i = torch.arange(q.shape[-2])
+    keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < 3)
+    p = F.softmax((q @ k.transpose(-2, -1)).masked_fill(~keep, float("-inf")), dim=-1)
+    return F.dropout(p, dropout, training=dropout > 0) @ v
 
-    _check(f, causal=0)
+
+def test_sliding_window_built_in_the_graph_goes_to_flex_attention():
+    rec = _check(_sliding, causal=0, op="flex_sdpa")
+    assert rec.stats["window"] == 1 and "FlexAttention, sliding window of 3 (mask proven)" in rec.notes[0]
+
+
+def test_sliding_window_with_dropout_stays_an_exact_sdpa_mask():
+    q, k, v = _qkv()
+    _compile(lambda q, k, v: _sliding(q, k, v, dropout=0.2))(q, k, v)
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 1 and "sliding window of 3" in rec.notes[0] and "FlexAttention" not in rec.notes[0]
+    ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
+    assert "scaled_dot_product_attention" in ops and "flex_sdpa" not in ops
 
 
 def test_additive_padding_mask_bert_style():
@@ -239,10 +251,10 @@ def _gemma(q, k, v, causal=True, dropout=0.0):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_soft_capping_goes_to_flex_attention(causal):
-    rec = _check(lambda q, k, v: _gemma(q, k, v, causal), causal=int(causal), op="softcap_attention")
+    rec = _check(lambda q, k, v: _gemma(q, k, v, causal), causal=int(causal), op="flex_sdpa")
     assert "FlexAttention, soft-cap 30" in rec.notes[0]
     ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
-    assert "softcap_attention" in ops and "tanh" not in ops
+    assert "flex_sdpa" in ops and "tanh" not in ops
 
 
 def test_soft_capping_with_an_unproven_mask_or_dropout_stays():
@@ -253,7 +265,7 @@ def test_soft_capping_with_an_unproven_mask_or_dropout_stays():
         s = torch.tanh(q @ k.transpose(-2, -1) * 0.25 / 30.0) * 30.0 + m
         return F.softmax(s, -1) @ v
 
-    _near_miss(padded, "not provably causal", extra=(pad,))
+    _near_miss(padded, "not provably causal or a sliding window", extra=(pad,))
     torch._dynamo.reset()
     q, k, v = _qkv()
     _compile(lambda q, k, v: _gemma(q, k, v, dropout=0.1))(q, k, v)  # random: only the record is checked

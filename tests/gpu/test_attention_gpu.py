@@ -76,7 +76,8 @@ def test_fp32_inputs_on_cuda_stay_exact_enough():
     assert kpt_compiler.last_report().pass_record("attention").matches == 2
 
 
-def test_soft_capping_goes_to_flex_attention_on_cuda_with_its_backward():
+@pytest.mark.parametrize("window", [None, 100])
+def test_soft_capping_and_windows_go_to_flex_attention_on_cuda_with_their_backward(window):
     import math
 
     import torch.nn.functional as F
@@ -84,8 +85,10 @@ def test_soft_capping_goes_to_flex_attention_on_cuda_with_its_backward():
     def gemma(q, k, v):
         s = torch.tanh(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 / 50.0) * 50.0
         i = torch.arange(q.shape[-2], device=q.device)
-        s = s + torch.zeros(s.shape[-2:], dtype=q.dtype, device=q.device).masked_fill(i[None, :] > i[:, None],
-                                                                                       -math.inf)
+        blocked = i[None, :] > i[:, None]
+        if window is not None:
+            blocked = blocked | (i[:, None] - i[None, :] >= window)
+        s = s + torch.zeros(s.shape[-2:], dtype=q.dtype, device=q.device).masked_fill(blocked, -math.inf)
         return F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
     q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
