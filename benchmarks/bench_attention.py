@@ -73,7 +73,6 @@ def hand_written_flex_form(q, k, v, softcap, window):
 def _flex_rows() -> list[dict]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    import kpt_compiler
     from kpt_compiler.kernels.flex_attention import _mask_mod, _score_mod
 
     flex = torch.compile(flex_attention)
@@ -90,13 +89,7 @@ def _flex_rows() -> list[dict]:
             times["sdpa (dense mask)"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
                                                    "cuda")
         fn = lambda q, k, v: hand_written_flex_form(q, k, v, softcap, window)  # noqa: E731
-        for mode, backend in (("inductor", "inductor"), ("kpt", "kernelpytorch")):
-            torch._dynamo.reset()
-            compiled = torch.compile(fn, backend=backend)
-            with torch.no_grad():
-                compiled(q, k, v)
-                times[mode] = median_ms(lambda: compiled(q, k, v), "cuda")
-        rec = kpt_compiler.last_report().pass_record("attention")
+        compiled, rec = _time_compiled(fn, q, k, v, times)
         with torch.no_grad():
             ref = fn(q.float(), k.float(), v.float())
             err = ((compiled(q, k, v).float() - ref).norm() / ref.norm()).item()
@@ -110,6 +103,19 @@ def _flex_rows() -> list[dict]:
                      "note": rec.notes[-1] if rec.notes else ""})
         print(f"{form} {B}x{H}x{L}x{D}: " + "  ".join(f"{n} {t:.3f}ms" for n, t in times.items()), flush=True)
     return rows
+
+
+def _time_compiled(fn, q, k, v, times: dict):
+    """Time ``fn`` compiled by Inductor and by kernelpytorch into ``times``; the latter and its attention record."""
+    import kpt_compiler
+
+    for mode, backend in (("inductor", "inductor"), ("kpt", "kernelpytorch")):
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend=backend)
+        with torch.no_grad():
+            compiled(q, k, v)
+            times[mode] = median_ms(lambda: compiled(q, k, v), "cuda")
+    return compiled, kpt_compiler.last_report().pass_record("attention")
 
 
 def _sdpa_ms(backend, q, k, v, causal) -> float | None:
@@ -127,7 +133,6 @@ def _sdpa_ms(backend, q, k, v, causal) -> float | None:
 def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend
 
-    import kpt_compiler
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
@@ -142,13 +147,7 @@ def main(argv=None) -> int:
             ("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
             ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
         fn = lambda q, k, v: hand_written(q, k, v, causal)  # noqa: E731
-        for mode, backend in (("inductor", "inductor"), ("kpt", "kernelpytorch")):
-            torch._dynamo.reset()
-            compiled = torch.compile(fn, backend=backend)
-            with torch.no_grad():
-                compiled(q, k, v)
-                times[mode] = median_ms(lambda: compiled(q, k, v), "cuda")
-        rec = kpt_compiler.last_report().pass_record("attention")
+        compiled, rec = _time_compiled(fn, q, k, v, times)
         with torch.no_grad():
             ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
             err = ((compiled(q, k, v).float() - ref).norm() / ref.norm()).item()

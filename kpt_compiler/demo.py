@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 
@@ -114,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(r.table())
     fired = sorted({name for r in reports for name in r.fired()})
     print(f"passes that fired: {', '.join(fired) if fired else 'none'}")
-    print(f"pipeline:\n  " + kpt_compiler.describe_pipeline(kpt_compiler.parse_options(None, user_options)).replace("\n", "\n  "))
+    print("pipeline:\n  " + kpt_compiler.describe_pipeline(kpt_compiler.parse_options(None, user_options)).replace("\n", "\n  "))
     print(f"report: {os.path.join(args.out, 'index.html')}")
 
     by = {r["mode"]: r for r in rows}

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from . import graph_utils
-from .report import GraphReport, PassRecord, StageRecord, reports
+from .report import GraphReport, PassRecord, StageRecord
 
 __all__ = ["DumpWriter", "runnable_source"]
 

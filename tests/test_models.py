@@ -17,17 +17,17 @@ def _rel_err(out, ref):
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _reference(model, x):
-    ref_model = copy.deepcopy(model).double()
-    return ref_model, x.double()
+def _setup(name, train):
+    """(model, input, float64 reference model and input, the model compiled with eager codegen)."""
+    model, x = make(name)
+    model.train(train)
+    compiled = torch.compile(model, backend="kernelpytorch", options={"codegen": "eager", "test_relu_to_clamp": True})
+    return model, x, copy.deepcopy(model).double(), x.double(), compiled
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "block"])
 def test_inference_matches_eager(name):
-    model, x = make(name)
-    model.eval()
-    ref_model, xr = _reference(model, x)
-    compiled = torch.compile(model, backend="kernelpytorch", options={"codegen": "eager", "test_relu_to_clamp": True})
+    model, x, ref_model, xr, compiled = _setup(name, train=False)
     with torch.no_grad():
         out = compiled(x)
         ref = ref_model(xr)
@@ -40,10 +40,7 @@ def test_inference_matches_eager(name):
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "block"])
 def test_training_step_matches_eager(name):
-    model, x = make(name)
-    model.train()
-    ref_model, xr = _reference(model, x)
-    compiled = torch.compile(model, backend="kernelpytorch", options={"codegen": "eager", "test_relu_to_clamp": True})
+    model, x, ref_model, xr, compiled = _setup(name, train=True)
     out = compiled(x)
     out.square().mean().backward()
     ref = ref_model(xr)
@@ -64,7 +61,7 @@ def test_inductor_inference_with_a_failing_post_grad_pass():
     """Inductor hosts the pipeline: a joint rewrite applies, a forward pass that raises inside Inductor's
     post-grad hook is rolled back in place, and the generated code still matches eager."""
     model, x = make("mlp")
-    ref_model, xr = _reference(model, x)
+    ref_model, xr = copy.deepcopy(model).double(), x.double()
     compiled = torch.compile(model, backend="kernelpytorch", options={"test_relu_to_clamp": True, "test_raise": True})
     with torch.no_grad():
         out = compiled(x)
@@ -78,7 +75,7 @@ def test_inductor_inference_with_a_failing_post_grad_pass():
 @pytest.mark.inductor
 def test_inductor_training_step_of_a_transformer_block():
     model, x = make("block")
-    ref_model, xr = _reference(model, x)
+    ref_model, xr = copy.deepcopy(model).double(), x.double()
     compiled = torch.compile(model, backend="kernelpytorch", options={"test_scale_outputs": {"factor": 1.0}})
     out = compiled(x)
     out.square().mean().backward()
