@@ -224,8 +224,7 @@ def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) ->
         if node.op != "get_attr":
             continue
         try:
-            obj = gm.get_submodule(node.target) if "." not in node.target and isinstance(
-                getattr(gm, node.target, None), torch.nn.Module) else _get_attr(gm, node.target)
+            obj = graph_utils.attr_of(gm, node.target)
         except AttributeError:
             continue
         if isinstance(obj, fx.GraphModule):
@@ -233,13 +232,6 @@ def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) ->
         elif isinstance(obj, torch.Tensor):
             attrs[node.target] = _spec_of(obj)
     return header + _PREAMBLE + code + _MAIN.format(inputs=inputs, attrs=attrs, cls=cls)
-
-
-def _get_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _write_json(path: str, data: Any) -> None:

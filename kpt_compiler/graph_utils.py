@@ -96,6 +96,14 @@ def restore(gm: fx.GraphModule, snap: GraphSnapshot) -> None:
     gm.recompile()
 
 
+def attr_of(gm: fx.GraphModule, target: str) -> Any:
+    """What a get_attr node with this dotted ``target`` reads from ``gm``."""
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def target_name(node: fx.Node) -> str:
     t = node.target
     if node.op == "call_function":

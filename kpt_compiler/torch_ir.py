@@ -16,6 +16,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .graph_utils import attr_of
+
 __all__ = ["kind", "arg", "example_value", "emit", "depends_on_inputs", "evaluate", "cast_dtype", "copy_meta"]
 
 # (kind, parameter names in order) for each spelling; methods are ("method", name).
@@ -179,10 +181,7 @@ def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26) -> 
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
             for n in ancestors(node):
                 if n.op == "get_attr":
-                    obj: Any = gm
-                    for part in n.target.split("."):
-                        obj = getattr(obj, part)
-                    env[n] = obj
+                    env[n] = attr_of(gm, n.target)
                 elif n.op == "call_function":
                     env[n] = n.target(*load(n.args), **load(n.kwargs))
                 elif n.op == "call_method":

@@ -25,6 +25,12 @@ def _setup(name, train):
     return model, x, copy.deepcopy(model).double(), x.double(), compiled
 
 
+def _assert_grads_match(model, ref_model):
+    for (pname, p), (_, pr) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert p.grad is not None, pname
+        assert _rel_err(p.grad, pr.grad) < RTOL, pname
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn", "block"])
 def test_inference_matches_eager(name):
     model, x, ref_model, xr, compiled = _setup(name, train=False)
@@ -46,9 +52,7 @@ def test_training_step_matches_eager(name):
     ref = ref_model(xr)
     ref.square().mean().backward()
     assert _rel_err(out, ref) < RTOL
-    for (pname, p), (_, pr) in zip(model.named_parameters(), ref_model.named_parameters()):
-        assert p.grad is not None, pname
-        assert _rel_err(p.grad, pr.grad) < RTOL, pname
+    _assert_grads_match(model, ref_model)
     # batch norm's running statistics are a mutation the compiled step must keep
     for (bname, b), (_, br) in zip(model.named_buffers(), ref_model.named_buffers()):
         if b.is_floating_point():
@@ -82,8 +86,7 @@ def test_inductor_training_step_of_a_transformer_block():
     ref = ref_model(xr)
     ref.square().mean().backward()
     assert _rel_err(out, ref) < RTOL
-    for (pname, p), (_, pr) in zip(model.named_parameters(), ref_model.named_parameters()):
-        assert _rel_err(p.grad, pr.grad) < RTOL, pname
+    _assert_grads_match(model, ref_model)
     report = kpt_compiler.last_report()
     assert list(report.stages) == ["pre_aot", "joint", "forward", "backward"]
     assert report.pass_record("test-scale-outputs", "forward").status == "applied"
