@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole CPU test suite, set up from nothing (the README's test command; CI runs it through .ci/run).
-#   .venv      torch 2.13 (CPU build), transformers, this package: every CPU test
+#   .venv      torch 2.13 (CPU build), transformers, triton (interpreter), this package: every CPU test
 #   .venv-xla  torch 2.9 + torch_xla 2.9: the same suite on torch 2.9, XLA tests included (PJRT_DEVICE=CPU)
 # Extra arguments go to both pytest runs (e.g. -k options).
 set -euo pipefail
@@ -13,7 +13,8 @@ say "environment .venv: torch 2.13.0 (CPU), transformers, kernelpytorch"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 # torch first and pinned: a bare 'torch' requirement would fetch a CUDA build of several GB.
 .venv/bin/pip install -q torch==2.13.0
-.venv/bin/pip install -q -e ".[test]" transformers matplotlib
+# triton: the kernels run in its interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 there).
+.venv/bin/pip install -q -e ".[test]" transformers matplotlib triton==3.9.0
 
 say "tests on torch 2.13"
 .venv/bin/python -m pytest -q -m "not gpu" "$@"
