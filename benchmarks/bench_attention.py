@@ -10,15 +10,17 @@ TFLOP/s counts 4*B*H*L*S*D for the forward, half of it when causal. The last col
 fraction of the best SDPA backend. Short sequences are included to set the attention pass's min_seq_len.
 
 A second table does the same for the forms kernelpytorch sends to FlexAttention: soft-capped causal
-attention (Gemma-2's tanh(s / 30) * 30), which SDPA cannot express, and a causal sliding window, which SDPA
+attention (Gemma-2's tanh(s / 30) * 30) and causal ALiBi (slope_h * (j - i)), which SDPA cannot express
+(ALiBi only as a dense additive mask it reads from memory), and a causal sliding window, which SDPA
 takes only as a dense mask: the hand-written form under Inductor and under kernelpytorch, against
-torch.compile(flex_attention) called directly with the same score_mod and mask, and (window) SDPA with the
+torch.compile(flex_attention) called directly with the same score_mod and mask, and (window, ALiBi) SDPA with the
 dense mask.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import datetime
 import json
 import os
@@ -48,16 +50,22 @@ def hand_written(q, k, v, causal: bool):
     return F.softmax(scores, dim=-1) @ v
 
 
-FLEX_CASES = [  # (B, H, L, D, soft-cap, window)
-    (8, 16, 4096, 128, 30.0, None),
-    (16, 12, 1024, 64, 30.0, None),
-    (8, 12, 1024, 64, 30.0, None),
-    (8, 16, 4096, 128, None, 512),
-    (8, 12, 1024, 64, None, 256),
+FLEX_CASES = [  # (B, H, L, D, soft-cap, window, ALiBi)
+    (8, 16, 4096, 128, 30.0, None, False),
+    (16, 12, 1024, 64, 30.0, None, False),
+    (8, 12, 1024, 64, 30.0, None, False),
+    (8, 16, 4096, 128, None, 512, False),
+    (8, 12, 1024, 64, None, 256, False),
+    (8, 16, 4096, 128, None, None, True),
+    (8, 12, 1024, 64, None, None, True),
 ]
 
 
-def hand_written_flex_form(q, k, v, softcap, window):
+def alibi_slopes(heads: int, device) -> torch.Tensor:
+    return torch.tensor([2.0 ** (-8 * (h + 1) / heads) for h in range(heads)], device=device)
+
+
+def hand_written_flex_form(q, k, v, softcap, window, alibi=False):
     scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
@@ -66,6 +74,8 @@ def hand_written_flex_form(q, k, v, softcap, window):
     if window is not None:
         blocked = blocked | (i[:, None] - i[None, :] >= window)
     mask = torch.zeros(q.shape[-2], k.shape[-2], dtype=q.dtype, device=q.device)
+    if alibi:  # slope_h * (j - i), as MPT and BLOOM-style models add it
+        mask = (alibi_slopes(q.shape[1], q.device).view(-1, 1, 1) * (i[None, :] - i[:, None])).to(q.dtype)
     scores = scores + mask.masked_fill(blocked, float("-inf"))
     return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
@@ -77,25 +87,33 @@ def _flex_rows() -> list[dict]:
 
     flex = torch.compile(flex_attention)
     rows = []
-    for B, H, L, D, softcap, window in FLEX_CASES:
+    for B, H, L, D, softcap, window, alibi in FLEX_CASES:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
         block = create_block_mask(_mask_mod(True, window), None, None, L, L, device="cuda")
-        times = {"flex (direct)": median_ms(
-            lambda: flex(q, k, v, score_mod=_score_mod(softcap), block_mask=block), "cuda")}
-        if window is not None:
+        slopes = alibi_slopes(H, "cuda")
+
+        def alibi_mod(score, b, h, q_idx, kv_idx):
+            return score + (slopes[h] * (kv_idx - q_idx)).to(torch.bfloat16).to(score.dtype)
+
+        score_mod = alibi_mod if alibi else _score_mod(softcap)
+        times = {"flex (direct)": median_ms(lambda: flex(q, k, v, score_mod=score_mod, block_mask=block), "cuda")}
+        if window is not None or alibi:
             i = torch.arange(L, device="cuda")
-            keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-            times["sdpa (dense mask)"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=keep),
+            keep = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < (window or L))
+            mask = keep
+            if alibi:
+                mask = (slopes.view(-1, 1, 1) * (i[None, :] - i[:, None])).to(q.dtype).masked_fill(~keep, -math.inf)
+            times["sdpa (dense mask)"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
                                                    "cuda")
-        fn = lambda q, k, v: hand_written_flex_form(q, k, v, softcap, window)  # noqa: E731
+        fn = lambda q, k, v: hand_written_flex_form(q, k, v, softcap, window, alibi)  # noqa: E731
         compiled, rec = _time_compiled(fn, q, k, v, times)
         with torch.no_grad():
             ref = fn(q.float(), k.float(), v.float())
             err = ((compiled(q, k, v).float() - ref).norm() / ref.norm()).item()
         allowed = L * (L + 1) / 2 if window is None else window * L - window * (window - 1) / 2
         flop = 4 * B * H * D * allowed
-        form = f"soft-cap {softcap:g}" if softcap is not None else f"window {window}"
+        form = f"soft-cap {softcap:g}" if softcap is not None else f"window {window}" if window else "ALiBi, causal"
         rows.append({"shape": [B, H, L, D], "form": form, "ms": times,
                      "tflops": {n: flop / t / 1e9 for n, t in times.items()},
                      "kpt_vs_flex": times["flex (direct)"] / times["kpt"],

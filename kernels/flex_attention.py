@@ -4,10 +4,15 @@ Math (per batch and head)::
 
     s[i, j] = scale * (q[i] . k[j])
     s[i, j] = cap * tanh(s[i, j] / cap)                  with logit soft-capping (Gemma-2)
+    s[i, j] = s[i, j] + (a_h * j + b_h * i + c_h)        with a bias linear in the positions: ALiBi
+                                                         (slope_h * (j - i)) and its spellings (MPT's
+                                                         slope_h * (j - S + 1), BLOOM's slope_h * j)
     allowed = all j | j <= i (causal) | i - window < j <= i (sliding window)
     out[i]  = sum_{j allowed} softmax_j(s[i, :]) v[j]
 
-``flex_sdpa`` calls torch's ``flex_attention`` higher-order op directly: the soft-cap is its ``score_mod``,
+``flex_sdpa`` calls torch's ``flex_attention`` higher-order op directly: the soft-cap and the bias are its
+``score_mod`` (the bias's per-head coefficients a buffer the score_mod reads, rounded to the dtype the model
+computed the bias in, so the bias added is the model's),
 the allowed set its ``mask_mod``, and the block mask built from it skips every block with nothing allowed
 (above the diagonal; outside the window), which a dense SDPA mask cannot. Inside a graph, AOTAutograd traces
 the two functions into subgraphs and Inductor generates fused Triton kernels for the forward and the backward
@@ -41,36 +46,57 @@ def _mask_mod(causal: bool, window: int | None):
     return noop_mask
 
 
-def _score_mod(softcap: float | None):
-    if softcap is None:
-        def identity(score, b, h, q_idx, kv_idx):
-            return score
+def _score_mod(softcap: float | None, bias_dtype: torch.dtype | None = None):
+    """score_mod(score, b, h, q_idx, kv_idx[, coefficients]): soft-cap, then the linear position bias."""
+    def cap(score):
+        return score if softcap is None else torch.tanh(score / softcap) * softcap
 
-        return identity
+    if bias_dtype is None:
+        def soft_cap(score, b, h, q_idx, kv_idx):
+            return cap(score)
 
-    def soft_cap(score, b, h, q_idx, kv_idx):
-        return torch.tanh(score / softcap) * softcap
+        return soft_cap
 
-    return soft_cap
+    def linear_bias(score, b, h, q_idx, kv_idx, coef):
+        bias = coef[h, 0] * kv_idx + coef[h, 1] * q_idx + coef[h, 2]
+        return cap(score) + bias.to(bias_dtype).to(score.dtype)
+
+    return linear_bias
 
 
 def flex_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, softcap: float | None = None,
-              causal: bool = False, window: int | None = None) -> torch.Tensor:
-    """Fused attention over [batch, heads, seq, dim] inputs; see the module docstring for the math."""
+              causal: bool = False, window: int | None = None,
+              bias: tuple[tuple[float, float, float], ...] | None = None,
+              bias_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Fused attention over [batch, heads, seq, dim] inputs; see the module docstring for the math.
+
+    ``bias``: one (a_h, b_h, c_h) per query head, the bias a_h * j + b_h * i + c_h computed in float32 and
+    rounded to ``bias_dtype`` (the dtype the model's bias tensor had).
+    """
     block = create_block_mask(_mask_mod(causal, window), None, None, q.shape[-2], k.shape[-2], device=q.device)
     kernel_options = _apply_kernel_options(q, k, v, False, None)
-    out, *_ = flex_attention_hop(q, k, v, _score_mod(softcap), block.as_tuple(), scale, kernel_options)
+    buffers = ()
+    if bias is not None:
+        if len(bias) != q.shape[1]:
+            raise ValueError(f"bias has coefficients for {len(bias)} heads, the query has {q.shape[1]}")
+        buffers = (torch.tensor(bias, dtype=torch.float32, device=q.device),)
+    score_mod = _score_mod(softcap, (bias_dtype or torch.float32) if bias is not None else None)
+    out, *_ = flex_attention_hop(q, k, v, score_mod, block.as_tuple(), scale, kernel_options, buffers)
     return out
 
 
 def reference(q, k, v, *, scale: float, softcap: float | None = None, causal: bool = False,
-              window: int | None = None) -> torch.Tensor:
+              window: int | None = None, bias=None, bias_dtype=None) -> torch.Tensor:
     s = q @ k.transpose(-2, -1) * scale
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     L, S = s.shape[-2:]
     i = torch.arange(L, device=s.device)[:, None]
     j = torch.arange(S, device=s.device)[None, :]
+    if bias is not None:
+        a, b, c = torch.tensor(bias, dtype=torch.float32, device=s.device).unbind(-1)
+        lin = a[:, None, None] * j + b[:, None, None] * i + c[:, None, None]
+        s = s + lin.to(bias_dtype or torch.float32).to(s.dtype)
     allowed = torch.ones(L, S, dtype=torch.bool, device=s.device)
     if causal or window is not None:
         allowed &= j <= i

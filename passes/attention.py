@@ -65,7 +65,7 @@ def _supports(target, options) -> str | None:
 
 
 @graph_pass("attention", summary="hand-written attention (matmul, scale, mask, softmax, matmul) -> fused SDPA",
-            stage="pre_aot", options=AttentionOptions, statistics=("matches", "near_misses", "causal", "window"),
+            stage="pre_aot", options=AttentionOptions, statistics=("matches", "near_misses", "causal", "window", "linear_bias"),
             supports=_supports)
 def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
     changed, evaluated_masks = False, {}
@@ -313,40 +313,94 @@ def _reaches_matmul(node: fx.Node) -> bool:
 # ---------------------------------------------------------------------------------------------- rewriting
 
 
-def _mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, cache: dict) -> tuple[str, int | None]:
-    """What the masks amount to, when they depend on no input: ("none",), ("causal",) for the top-left lower
-    triangle, ("window", w) for a causal sliding window of w positions; ("tensor",) otherwise."""
-    allowed = None
+@dataclasses.dataclass
+class _MaskForm:
+    """What the masks amount to, when they depend on no input: "none"; "causal" (the top-left lower
+    triangle); "window" (a causal sliding window of ``window`` positions); "tensor" (anything else, kept as a
+    dense mask). ``bias``: an additive bias linear in the positions (ALiBi), (a_h, b_h, c_h) per head for
+    a_h * j + b_h * i + c_h, on top of what is allowed; ``bias_dtype`` the dtype it was computed in."""
+
+    kind: str
+    window: int | None = None
+    bias: tuple[tuple[float, float, float], ...] | None = None
+    bias_dtype: torch.dtype | None = None
+
+
+def _mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, cache: dict) -> _MaskForm:
+    allowed, bias = None, None
     for how, m, fill in masks:
         if m not in cache:
             cache[m] = ir.evaluate(gm, m)
         val = cache[m]
         if val is None:
-            return ("tensor", None)
+            return _MaskForm("tensor")
         if how == "add":
             if not val.is_floating_point():
-                return ("tensor", None)
+                return _MaskForm("tensor")
             # blocked entries must be so negative that exp() makes them exactly 0, as -inf does
             blocked = val <= torch.finfo(val.dtype).min / 2
-            if not bool(((val == 0) | blocked).all()):
-                return ("tensor", None)  # a real bias (ALiBi, relative position), not just a mask
+            if not bool(((val == 0) | blocked).all()):  # a real bias (ALiBi, relative position), not just a mask
+                if bias is not None:
+                    return _MaskForm("tensor")
+                bias = val
             ok = ~blocked
         else:
             if val.dtype != torch.bool or fill > torch.finfo(dtype).min / 2:
-                return ("tensor", None)
+                return _MaskForm("tensor")
             ok = val if how == "keep" else ~val
         allowed = ok if allowed is None else allowed & ok
+    coefficients = _linear_bias(bias, allowed, heads) if bias is not None else None
+    if bias is not None and coefficients is None:
+        return _MaskForm("tensor")  # a bias FlexAttention would have to read from memory: SDPA does that
+    form = _MaskForm("tensor", bias=coefficients, bias_dtype=bias.dtype if bias is not None else None)
     if allowed is None or bool(allowed.all()):
-        return ("none", None)
+        return dataclasses.replace(form, kind="none")
     L, S = allowed.shape[-2:]
     i = torch.arange(L, device=allowed.device)[:, None]
     j = torch.arange(S, device=allowed.device)[None, :]
     if bool((allowed == (j <= i)).all()):
-        return ("causal", None)
+        return dataclasses.replace(form, kind="causal")
     window = int(allowed[..., -1, :].sum(-1).max())  # the last row sees the whole window
     if L == S and bool((allowed == ((j <= i) & (i - j < window))).all()):
-        return ("window", window)
-    return ("tensor", None)
+        return dataclasses.replace(form, kind="window", window=window)
+    return _MaskForm("tensor")
+
+
+def _linear_bias(bias: torch.Tensor, allowed: torch.Tensor | None, heads: int):
+    """(a_h, b_h, c_h) per head with bias[h, i, j] == a_h * j + b_h * i + c_h (to the bias dtype's rounding)
+    wherever attention is allowed, or None. Batch dims must not matter; heads come third from last."""
+    if bias.dim() > 3 and any(s != 1 for s in bias.shape[:-3]):
+        return None
+    b = bias.reshape(*([1] * max(0, 3 - bias.dim())), *bias.shape[-3:])
+    if b.shape[0] not in (1, heads):
+        return None
+    rows, cols = b.shape[-2:]
+    ok = None
+    if allowed is not None:  # allowed is the same for every batch and head here (causal, window or all)
+        ok = allowed.reshape(-1, *allowed.shape[-2:])[0]
+        rows, cols = max(rows, ok.shape[-2]), max(cols, ok.shape[-1])
+    if rows * cols > 1 << 24:
+        return None
+    i = torch.arange(rows, dtype=torch.float64)[:, None].expand(rows, cols)
+    j = torch.arange(cols, dtype=torch.float64)[None, :].expand(rows, cols)
+    ok = torch.ones(rows, cols, dtype=torch.bool) if ok is None else ok.expand(rows, cols)
+    where = ok.nonzero()
+    if len(where) == 0:
+        return None
+    sample = where[:: max(1, len(where) // 4096)]  # fit on a sample, check everywhere
+    eps = torch.finfo(bias.dtype).eps
+    coefficients = []
+    for h in range(b.shape[0]):
+        bh = b[h].double().expand(rows, cols)
+        x = torch.stack([j[sample[:, 0], sample[:, 1]], i[sample[:, 0], sample[:, 1]],
+                         torch.ones(len(sample), dtype=torch.float64)], -1)
+        fit = torch.linalg.lstsq(x, bh[sample[:, 0], sample[:, 1]].unsqueeze(-1), driver="gelsd")
+        a_h, b_h, c_h = fit.solution.squeeze(-1).tolist()
+        expected = (a_h * j + b_h * i + c_h).to(bias.dtype).double()
+        if not torch.allclose(expected[ok], bh[ok], rtol=2 * eps, atol=2 * eps):
+            return None  # not linear in the positions: a learned relative-position table, say
+        coefficients.append((a_h, b_h, c_h))
+    return tuple(coefficients * heads if len(coefficients) == 1 else coefficients)
 
 
 def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node) -> fx.Node:
@@ -371,10 +425,13 @@ def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node)
 def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -> bool:
     graph = gm.graph
     dtype = ir.example_value(a.q).dtype
-    kind, window = _mask_kind(gm, a.masks, dtype, cache)
-    # FlexAttention for what SDPA cannot express (soft-capping) or cannot make fast (a sliding window: SDPA
-    # reads a dense mask and skips nothing); SDPA with the exact dense mask where FlexAttention cannot go.
-    flex_why = _flex_unsupported(a, kind, ctx) if a.softcap is not None or kind == "window" else "not needed"
+    form = _mask_kind(gm, a.masks, dtype, ir.example_value(a.softmax).shape[-3], cache)
+    kind, window = form.kind, form.window
+    # FlexAttention for what SDPA cannot express (soft-capping, a bias computed from the positions) or cannot
+    # make fast (a sliding window: SDPA reads a dense mask and skips nothing); SDPA with the exact dense mask
+    # where FlexAttention cannot go.
+    wants_flex = a.softcap is not None or kind == "window" or form.bias is not None
+    flex_why = _flex_unsupported(a, kind, ctx) if wants_flex else "not needed"
     if a.softcap is not None and flex_why:
         ctx.near_miss(f"{a.softmax.name}: soft-capped attention {flex_why}")
         return False
@@ -385,17 +442,21 @@ def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -
 
             # The output looks like SDPA's; computing it through the higher-order op would trace its autograd.
             fused = ir.emit(graph, flex_sdpa, (a.q, key, a.v),
-                            {"scale": a.scale, "softcap": a.softcap, "causal": kind == "causal", "window": window},
+                            {"scale": a.scale, "softcap": a.softcap, "causal": kind == "causal", "window": window,
+                             "bias": form.bias, "bias_dtype": form.bias_dtype},
                             like=a.softmax, fake_fn=lambda q, k, v, **_: F.scaled_dot_product_attention(q, k, v))
         else:
-            mask = _build_mask(graph, a.masks, dtype, a.softmax) if kind in ("tensor", "window") else None
+            dense = kind in ("tensor", "window") or form.bias is not None
+            mask = _build_mask(graph, a.masks, dtype, a.softmax) if dense else None
             fused = ir.emit(graph, F.scaled_dot_product_attention, (a.q, key, a.v),
-                            {"attn_mask": mask, "dropout_p": a.dropout, "is_causal": kind == "causal",
+                            {"attn_mask": mask, "dropout_p": a.dropout, "is_causal": kind == "causal" and not dense,
                              "scale": a.scale}, like=a.softmax)
     a.out.replace_all_uses_with(fused)
     for node in reversed(a.chain):
         if not node.users:
             graph.erase_node(node)
+    if flex_why and form.bias is not None:
+        kind = "tensor"  # the position bias goes in as part of the dense mask
     ctx.count()
     if kind in ("causal", "window"):
         ctx.count(kind)
@@ -404,6 +465,9 @@ def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -
               "tensor": "attn_mask " + "+".join(h for h, _, _ in a.masks)}[kind]
     how = "FlexAttention, " if not flex_why else ""
     cap = f"soft-cap {a.softcap:g}, " if a.softcap is not None else ""
+    if form.bias is not None and not flex_why:
+        ctx.count("linear_bias")
+        cap += "position bias a*j + b*i + c (ALiBi) as score_mod, "
     ctx.note(f"{a.softmax.name}: {how}{cap}{detail}, scale {a.scale:.4g}, dropout {a.dropout:g}")
     return True
 

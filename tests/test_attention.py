@@ -156,6 +156,60 @@ def test_alibi_style_bias_is_an_exact_float_mask():
     assert "attn_mask add" in rec.notes[0]
 
 
+def _alibi_slopes(heads, dtype=torch.float32):
+    return torch.tensor([2.0 ** (-8 * (h + 1) / heads) for h in range(heads)], dtype=dtype)
+
+
+def _alibi_causal(q, k, v):  # slope_h * (j - i) and a causal mask, both built in the graph
+    L = q.shape[-2]
+    pos = torch.arange(L)
+    rel = (pos[None, :] - pos[:, None]).to(q.dtype)
+    bias = _alibi_slopes(q.shape[1], q.dtype).view(1, -1, 1, 1) * rel
+    bias = bias.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    return F.softmax(q @ k.transpose(-2, -1) * D**-0.5 + bias, dim=-1) @ v
+
+
+def _alibi_mpt(q, k, v):  # MPT: slope_h * (j - S + 1) as [H, 1, S]; causal by masked_fill with the dtype minimum
+    L = q.shape[-2]
+    alibi = _alibi_slopes(q.shape[1], q.dtype).view(-1, 1, 1) * torch.arange(1 - L, 1, dtype=q.dtype).view(1, 1, L)
+    s = q @ k.transpose(-2, -1) * D**-0.5 + alibi
+    causal = torch.ones(L, L, dtype=torch.bool).triu(1)
+    s = s.masked_fill(causal, torch.finfo(s.dtype).min)
+    return torch.softmax(s.float(), dim=-1).to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("form", [_alibi_causal, _alibi_mpt])
+def test_alibi_built_in_the_graph_goes_to_flex_attention_as_a_score_mod(form):
+    rec = _check(form, op="flex_sdpa", causal=1)
+    assert rec.stats["linear_bias"] == 1 and "position bias" in rec.notes[0] and "causal" in rec.notes[0]
+    ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
+    assert "masked_fill" not in ops and "arange" not in ops, ops  # the bias and mask are folded away
+
+
+def test_alibi_coefficients_are_the_slopes():
+    from kpt_compiler.passes.attention import _linear_bias
+
+    L_ = 7
+    pos = torch.arange(L_)
+    slopes = _alibi_slopes(4)
+    bias = slopes.view(1, 4, 1, 1) * (pos[None, :] - pos[:, None]).float()
+    coef = _linear_bias(bias, torch.ones(1, 1, L_, L_, dtype=torch.bool), heads=4)
+    for (a, b, c), s in zip(coef, slopes.tolist()):
+        assert a == pytest.approx(s, rel=1e-6) and b == pytest.approx(-s, rel=1e-6) and abs(c) < 1e-6
+    # one term that is not linear in the positions: no coefficients (the dense mask is kept)
+    assert _linear_bias(-(bias.abs()), torch.ones(1, 1, L_, L_, dtype=torch.bool), heads=4) is None
+
+
+def test_a_constant_bias_that_is_not_linear_stays_an_exact_dense_mask():
+    def symmetric(q, k, v):
+        pos = torch.arange(q.shape[-2])
+        bias = -(_alibi_slopes(q.shape[1]).view(1, -1, 1, 1) * (pos[None, :] - pos[:, None]).abs().float())
+        return F.softmax(q @ k.transpose(-2, -1) * 0.25 + bias, dim=-1) @ v
+
+    rec = _check(symmetric)
+    assert rec.stats.get("linear_bias", 0) == 0 and "attn_mask add" in rec.notes[0]
+
+
 def test_softmax_upcast_to_float32_and_back():
     def llama(q, k, v):
         w = torch.matmul(q, k.transpose(2, 3)) * 0.25
@@ -367,3 +421,24 @@ def test_transformers_eager_attention(name):
     assert rec.matches == 2
     # transformers builds its causal mask from arange in the graph: proven, so the kernels skip the upper half
     assert rec.stats.get("causal", 0) == (0 if name == "bert" else 2)
+
+
+def test_transformers_mpt_alibi_goes_to_flex_attention():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "MptConfig"):
+        pytest.skip("this transformers has no MPT")
+    torch.manual_seed(0)
+    cfg = transformers.MptConfig(d_model=64, n_heads=4, n_layers=2, max_seq_len=32, vocab_size=100)
+    model = transformers.MptForCausalLM(cfg).train()  # MPT's attention dropout is 0 by default
+    ref_model = copy.deepcopy(model).double()
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    out = _compile(model)(ids).logits
+    ref = ref_model(ids).logits
+    assert relative_error(out, ref) < TOL
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    for p, pr in zip(model.parameters(), ref_model.parameters()):
+        assert relative_error(p.grad, pr.grad) < 1e-4
+    rec = kpt_compiler.last_report().pass_record("attention")
+    # MPT builds slope_h * (j - S + 1) from arange and masks the upper triangle: both folded into FlexAttention
+    assert rec.matches == 2 and rec.stats.get("linear_bias") == 2 and rec.stats.get("causal") == 2, rec.notes

@@ -103,3 +103,27 @@ def test_soft_capping_and_windows_go_to_flex_attention_on_cuda_with_their_backwa
     report = kpt_compiler.last_report()
     assert report.pass_record("attention").matches == 1
     assert any("flex_attention" in op for op in report.stages["joint"].ops_after), report.stages["joint"].ops_after
+
+
+def test_alibi_goes_to_flex_attention_on_cuda_with_its_backward():
+    import torch.nn.functional as F
+
+    def alibi(q, k, v):  # slope_h * (j - i) and a causal mask, built in the graph from arange
+        i = torch.arange(q.shape[-2], device=q.device)
+        slopes = torch.tensor([2.0 ** (-8 * (h + 1) / q.shape[1]) for h in range(q.shape[1])], device=q.device)
+        bias = (slopes.view(-1, 1, 1) * (i[None, :] - i[:, None])).to(q.dtype)
+        bias = bias.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        return F.softmax((q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5 + bias).float(), dim=-1).to(q.dtype) @ v
+
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = torch.compile(alibi, backend="kernelpytorch")(q, k, v)
+    out.float().square().sum().backward()
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref = alibi(*ref_in)
+    ref.square().sum().backward()
+    assert relative_error(out, ref) < 2e-2
+    for t, r in zip((q, k, v), ref_in):
+        assert relative_error(t.grad, r.grad) < 5e-2
+    report = kpt_compiler.last_report()
+    assert report.pass_record("attention").stats.get("linear_bias") == 1, report.pass_record("attention").notes
+    assert any("flex_attention" in op for op in report.stages["joint"].ops_after), report.stages["joint"].ops_after
