@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from kpt_compiler.bench import copy_bandwidth as _copy_bandwidth
 from kpt_compiler.bench import timing_ms
 
 __all__ = ["copy_bandwidth", "gemm_tflops"]
@@ -26,10 +27,7 @@ def _require_cuda() -> None:
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy in TB/s, counting the bytes read and the bytes written."""
     _require_cuda()
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = timing_ms(lambda: dst.copy_(src), "cuda").median
-    return 2 * nbytes / (ms * 1e-3) / 1e12
+    return _copy_bandwidth(nbytes, "cuda")
 
 
 def gemm_tflops(m: int = 8192, n: int = 8192, k: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:

@@ -1,10 +1,13 @@
 """Named kernelpytorch option sets: each runs as mode ``kpt[<name>]`` beside plain ``kpt`` (default options).
 
 torch.compile refuses ``mode=`` together with ``options=``, so a mode goes inside the options.
-Plain ``kpt`` runs every pass that is on by default (attention); a set that switches one off shows what that
+Plain ``kpt`` runs every pass that is on by default (attention, fusion); a set that switches one off shows what that
 pass buys on every model. Later passes add their sets here.
 """
 
 OPTION_SETS: dict[str, dict] = {
     "ro": {"mode": "reduce-overhead"},  # CUDA graphs on top of our pipeline, to compare with inductor-ro
+    "no-fusion": {"fusion": False},  # what the fusion pass buys (plain kpt has it on, deciding by cost model)
+    "fusion-always": {"fusion": {"decide": "always"}},  # every fusion taken: checks the cost model's refusals
+    "fusion-measure": {"fusion": {"decide": "measure"}},  # decisions timed on the device at compile time
 }

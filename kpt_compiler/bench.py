@@ -7,13 +7,14 @@ median of wall-clock runs after warm-up.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from typing import Any, Callable, NamedTuple
 
 import torch
 
-__all__ = ["Timing", "timing_ms", "median_ms", "relative_error", "peak_memory", "first_tensor"]
+__all__ = ["Timing", "timing_ms", "median_ms", "copy_bandwidth", "relative_error", "peak_memory", "first_tensor"]
 
 
 class Timing(NamedTuple):
@@ -52,6 +53,15 @@ def timing_ms(fn: Callable[[], Any], device: str, *, warmup_ms: float = 100, rep
     # "inclusive" interpolates between the timed calls as torch.quantile (do_bench) does
     deciles = statistics.quantiles(times, n=10, method="inclusive")
     return Timing(statistics.median(times), deciles[1], deciles[7])
+
+
+@functools.lru_cache(maxsize=None)
+def copy_bandwidth(nbytes: int = 1 << 30, device: str = "cuda") -> float:
+    """Device-to-device copy in TB/s, counting the bytes read and the bytes written (measured once a process)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = timing_ms(lambda: dst.copy_(src), device).median
+    return 2 * nbytes / (ms * 1e-3) / 1e12
 
 
 def median_ms(fn: Callable[[], Any], device: str, *, warmup_ms: float = 100, rep_ms: float = 500,

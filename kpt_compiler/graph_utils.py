@@ -7,7 +7,7 @@ import collections
 import copy
 import dataclasses
 import difflib
-from typing import Any
+from typing import Any, Callable
 
 import networkx as nx
 import torch
@@ -17,6 +17,7 @@ __all__ = [
     "GraphSnapshot",
     "snapshot",
     "restore",
+    "drop_unused",
     "op_counts",
     "readable_code",
     "unified_diff",
@@ -77,6 +78,8 @@ def restore(gm: fx.GraphModule, snap: GraphSnapshot) -> None:
     (its FakeTensorUpdater is built before the custom pass and updated after it).
     """
     graph = gm.graph
+    for node in graph.nodes:  # a failed pass may have left a use before its definition: unlink first
+        node.args, node.kwargs = (), {}
     for node in reversed(list(graph.nodes)):
         graph.erase_node(node)
     # A fresh namespace, so the restored nodes get their names back (dumps and diffs read better).
@@ -102,6 +105,21 @@ def attr_of(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def drop_unused(graph: fx.Graph, only: Callable[[fx.Node], bool] = lambda n: True) -> None:
+    """Erase computations nothing uses (and ``only`` accepts), repeatedly; never anything impure or in-place,
+    never placeholders, get_attr or output nodes."""
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(graph.nodes)):
+            if node.users or node.op not in ("call_function", "call_method") or node.is_impure():
+                continue
+            if node.op == "call_method" and str(node.target).endswith("_") or not only(node):
+                continue
+            graph.erase_node(node)
+            changed = True
 
 
 def target_name(node: fx.Node) -> str:

@@ -46,6 +46,20 @@ _add("invert", ("input",), operator.invert, torch.logical_not, torch.bitwise_not
      ("method", "bitwise_not"))
 _add("contiguous", ("input",), ("method", "contiguous"))
 _add("tanh", ("input",), torch.tanh, F.tanh, ("method", "tanh"))
+_add("linear", ("input", "weight", "bias"), F.linear)
+_add("silu", ("input", "inplace"), F.silu)
+_add("relu", ("input", "inplace"), F.relu)
+_add("relu", ("input",), torch.relu, ("method", "relu"))
+_add("gelu", ("input", "approximate"), F.gelu)
+_add("pow", ("input", "exponent"), torch.pow, ("method", "pow"), operator.pow)
+_add("mean", ("input", "dim", "keepdim", "dtype"), torch.mean, ("method", "mean"))
+_add("rsqrt", ("input",), torch.rsqrt, ("method", "rsqrt"))
+_add("layer_norm", ("input", "normalized_shape", "weight", "bias", "eps"), F.layer_norm)
+if hasattr(F, "rms_norm"):
+    _add("rms_norm", ("input", "normalized_shape", "weight", "eps"), F.rms_norm)
+_add("batch_norm", ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+     F.batch_norm)
+_add("conv2d", ("input", "weight", "bias", "stride", "padding", "dilation", "groups"), torch.conv2d, F.conv2d)
 _add("cast", ("input", "dtype"), ("method", "to"), ("method", "type"))
 for _name in ("float", "half", "bfloat16", "double"):
     _add("cast", ("input",), ("method", _name))

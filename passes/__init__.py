@@ -4,4 +4,4 @@ Importing this package registers every pass below with the pass manager; the ord
 ``kpt_compiler.pipeline.DEFAULT_PIPELINE``. The rules a pass must keep are in README.md beside this file.
 """
 
-from . import attention  # noqa: F401
+from . import attention, fusion  # noqa: F401  (importing registers them)

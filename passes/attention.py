@@ -40,6 +40,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from kpt_compiler import torch_ir as ir
+from kpt_compiler.graph_utils import drop_unused
 from kpt_compiler.pipeline import PassContext, graph_pass
 
 _BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
@@ -82,7 +83,7 @@ def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
             continue
         changed |= _rewrite(gm, found, ctx, evaluated_masks)
     if changed:
-        _drop_dead(gm)
+        drop_unused(gm.graph, only=lambda n: not ir.depends_on_inputs(n))  # what only the old masks used
         order = _backend_order(ctx)
         if order is not None:
             ctx.note("SDPA backends, in priority order: " + ", ".join(b.name.lower() for b in order))
@@ -371,6 +372,7 @@ def _linear_bias(bias: torch.Tensor, allowed: torch.Tensor | None, heads: int):
     wherever attention is allowed, or None. Batch dims must not matter; heads come third from last."""
     if bias.dim() > 3 and any(s != 1 for s in bias.shape[:-3]):
         return None
+    bias, allowed = bias.cpu(), allowed.cpu() if allowed is not None else None  # evaluated where the model lives
     b = bias.reshape(*([1] * max(0, 3 - bias.dim())), *bias.shape[-3:])
     if b.shape[0] not in (1, heads):
         return None
@@ -486,22 +488,6 @@ def _flex_unsupported(a: _Attention, kind: str, ctx: PassContext) -> str | None:
     if q.dim() != 4 or not all(isinstance(s, int) for s in (*q.shape, *k.shape)):
         return "with dynamic shapes or not [batch, heads, seq, dim] inputs"
     return None
-
-
-def _drop_dead(gm: fx.GraphModule) -> None:
-    """Remove what only the old masks used (pure computations on constants), never anything impure."""
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(list(gm.graph.nodes)):
-            if node.users or node.op not in ("call_function", "call_method") or node.is_impure():
-                continue
-            if node.op == "call_method" and str(node.target).endswith("_"):
-                continue  # in-place
-            if ir.depends_on_inputs(node):
-                continue
-            gm.graph.erase_node(node)
-            changed = True
 
 
 def _backend_order(ctx: PassContext):

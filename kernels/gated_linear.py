@@ -1,0 +1,217 @@
+"""The gated linear unit of Llama-style MLPs, both projections in one GEMM kernel.
+
+Math, for x [..., K], w_gate and w_up [N, K] (``nn.Linear``'s layout)::
+
+    g   = x @ w_gate^T                   accumulated in float32
+    u   = x @ w_up^T                     accumulated in float32
+    out = act(g) * u                     in float32, rounded once to x.dtype at the store
+
+    act: silu (SwiGLU, Llama's default), gelu (erf), gelu_tanh (GeGLU), relu, none (bilinear); as in
+    ``linear_epilogue``.
+
+Each program loads a tile of x once per K step and multiplies it with the matching tiles of both weights
+into two float32 accumulators, so x is read once for the two projections and g and u never reach memory.
+The unfused sequence rounds g, u, act(g) and the product to x.dtype; this rounds once, so it is at least as
+accurate. float32 inputs follow torch's matmul precision, as in ``linear_epilogue``. Tiles, grouped program
+order and masks are those of ``linear_epilogue``; the tiles are smaller (two accumulators share the
+registers of one).
+
+Registered as the custom op ``torch.ops.kpt.gated_linear`` (``torch.library.custom_op`` with a fake and
+autograd; the backward recomputes g and u with plain torch matmuls). Dispatch inside the op, and the reason
+for a custom op rather than ``torch.library.triton_op``, are those of ``linear_epilogue``: CUDA tensors run
+the Triton kernel, CPU tensors run it in Triton's interpreter when ``TRITON_INTERPRET=1``, everything else
+(no triton, float64, other devices) runs the eager ``reference``. ``launches`` counts kernel launches.
+Import this module as ``kpt_compiler.kernels.gated_linear`` only (the op registers once).
+"""
+
+import collections
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .linear_epilogue import (ACTIVATIONS, HAVE_TRITON, INTERPRETER_META, activation_backward,
+                              apply_activation, check_activation, grouped_tile, input_precision, launch_grid,
+                              prune_configs, use_kernel)
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+else:  # the same stand-in as linear_epilogue's: the kernel below still defines, and never runs
+    from .linear_epilogue import triton, tl
+
+__all__ = ["gated_linear", "reference", "launches"]
+
+launches = collections.Counter()  # "gated_linear" -> number of Triton launches: tests assert the kernel ran
+
+# ---------------------------------------------------------------------------------------------------------
+# Autotune configs: two float32 accumulators per program, so at most 128 x 128 x 2 of them (8 warps);
+# pruned by M as in linear_epilogue.
+# ---------------------------------------------------------------------------------------------------------
+CONFIGS = [
+    # large M (Hopper): x tile reused for both weights, like one 128 x 256 tile
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    # medium M
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=3, num_warps=4),
+    # small M (decode): memory-bound on the two weights
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 8}, num_stages=3, num_warps=4),
+]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _gated_linear_kernel(
+    # pointers
+    x_ptr, wg_ptr, wu_ptr, out_ptr,
+    # sizes: x [M, K], w_gate and w_up [N, K], out [M, N]
+    M, N, K,
+    # strides
+    stride_xm, stride_xk,
+    stride_wgn, stride_wgk,
+    stride_wun, stride_wuk,
+    stride_om, stride_on,
+    # meta
+    ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (float32 inputs only)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows and columns past the end wrap to valid ones: loaded and computed, never stored, so no M/N masks
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    wg_ptrs = wg_ptr + cols[:, None] * stride_wgn + offs_k[None, :] * stride_wgk  # [BLOCK_N, BLOCK_K]
+    wu_ptrs = wu_ptr + cols[:, None] * stride_wun + offs_k[None, :] * stride_wuk  # [BLOCK_N, BLOCK_K]
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_mask = offs_k[None, :] < K - k * BLOCK_K  # the K tail is masked to zeros
+        x = tl.load(x_ptrs, mask=k_mask, other=0.0)  # loaded once, used by both products
+        wg = tl.load(wg_ptrs, mask=k_mask, other=0.0)
+        wu = tl.load(wu_ptrs, mask=k_mask, other=0.0)
+        acc_g = tl.dot(x, tl.trans(wg), acc_g, input_precision=INPUT_PRECISION)
+        acc_u = tl.dot(x, tl.trans(wu), acc_u, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        wg_ptrs += BLOCK_K * stride_wgk
+        wu_ptrs += BLOCK_K * stride_wuk
+
+    # epilogue in float32: act(g) * u, one rounding at the store
+    out = apply_activation(acc_g, ACTIVATION) * acc_u
+    out_m = offs_m.to(tl.int64)[:, None]
+    out_n = offs_n.to(tl.int64)[None, :]
+    mask = (out_m < M) & (out_n < N)
+    tl.store(out_ptr + out_m * stride_om + out_n * stride_on, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_gated_linear_autotuned = triton.autotune(
+    configs=CONFIGS, key=["M", "N", "K"], prune_configs_by={"early_config_prune": prune_configs},
+)(_gated_linear_kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------------------
+def _launch(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str,
+            config: Optional[dict] = None) -> torch.Tensor:
+    """out [M, N] = act(x2 @ w_gate^T) * (x2 @ w_up^T) with the Triton kernel; inputs already checked.
+
+    ``config`` skips the autotuner, as in ``linear_epilogue._launch``."""
+    M, K = x2.shape
+    N = w_gate.shape[0]
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    if M == 0 or N == 0:
+        return out
+    args = (x2, w_gate, w_up, out, M, N, K, x2.stride(0), x2.stride(1), w_gate.stride(0), w_gate.stride(1),
+            w_up.stride(0), w_up.stride(1), out.stride(0), out.stride(1))
+    meta = dict(ACTIVATION=activation, INPUT_PRECISION=input_precision(x2.dtype))
+    config = config or (None if x2.is_cuda else INTERPRETER_META)
+    if config is None:
+        _gated_linear_autotuned[launch_grid(M, N)](*args, **meta)
+    else:
+        _gated_linear_kernel[launch_grid(M, N)(config)](*args, **meta, **config)
+    launches["gated_linear"] += 1
+    return out
+
+
+def _check(x, w_gate, w_up, activation) -> None:
+    check_activation(activation)
+    if x.dim() < 1:
+        raise ValueError("x: expected at least one dimension [..., K], got a 0-d tensor")
+    for name, w in (("w_gate", w_gate), ("w_up", w_up)):
+        if w.dim() != 2:
+            raise ValueError(f"{name}: expected 2 dimensions [N, K] (nn.Linear's layout), got shape {tuple(w.shape)}")
+        if w.shape[1] != x.shape[-1]:
+            raise ValueError(f"{name}: K mismatch, x is {tuple(x.shape)} (K={x.shape[-1]}) but {name} is "
+                             f"{tuple(w.shape)} (K={w.shape[1]}); it must be [N, K]")
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name}: dtype {w.dtype} differs from x's {x.dtype}")
+        if w.device != x.device:
+            raise ValueError(f"{name}: on {w.device}, x is on {x.device}")
+    if w_up.shape[0] != w_gate.shape[0]:
+        raise ValueError(f"w_up: N mismatch, w_gate is {tuple(w_gate.shape)} but w_up is {tuple(w_up.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Eager reference
+# ---------------------------------------------------------------------------------------------------------
+def reference(x, w_gate, w_up, activation: str = "silu") -> torch.Tensor:
+    """The unfused sequence the kernel replaces: two F.linear, the activation, the product (each in x.dtype)."""
+    return ACTIVATIONS[activation](F.linear(x, w_gate)) * F.linear(x, w_up)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Custom op: torch.ops.kpt.gated_linear, its fake implementation and autograd
+# ---------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kpt::gated_linear", mutates_args=())
+def _gated_linear_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                     activation: str = "silu") -> torch.Tensor:
+    _check(x, w_gate, w_up, activation)
+    if not use_kernel(x):
+        return reference(x, w_gate, w_up, activation)
+    K, N = x.shape[-1], w_gate.shape[0]
+    return _launch(x.reshape(-1, K), w_gate, w_up, activation).view(*x.shape[:-1], N)
+
+
+@_gated_linear_op.register_fake
+def _(x, w_gate, w_up, activation="silu"):
+    _check(x, w_gate, w_up, activation)
+    return x.new_empty(*x.shape[:-1], w_gate.shape[0])
+
+
+def _setup_context(ctx, inputs, output):
+    x, w_gate, w_up, activation = inputs
+    ctx.save_for_backward(x, w_gate, w_up)
+    ctx.activation = activation
+
+
+def _backward(ctx, grad):
+    x, w_gate, w_up = ctx.saved_tensors
+    K, N = w_gate.shape[1], w_gate.shape[0]
+    x2, g2 = x.reshape(-1, K), grad.reshape(-1, N)
+    # g and u recomputed from the saved inputs (cheaper in memory than saving them)
+    g, u = F.linear(x2, w_gate), F.linear(x2, w_up)
+    grad_g = activation_backward(g2 * u, g, ctx.activation)  # dL/dg = act'(g) * u * grad
+    grad_u = g2 * ACTIVATIONS[ctx.activation](g)  # dL/du = act(g) * grad
+    need_x, need_wg, need_wu = ctx.needs_input_grad[:3]
+    grad_x = (grad_g @ w_gate + grad_u @ w_up).view(x.shape) if need_x else None
+    grad_wg = grad_g.t() @ x2 if need_wg else None
+    grad_wu = grad_u.t() @ x2 if need_wu else None
+    return grad_x, grad_wg, grad_wu, None
+
+
+_gated_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """act(x @ w_gate^T) * (x @ w_up^T) in one kernel; see the module docstring."""
+    return torch.ops.kpt.gated_linear(x, w_gate, w_up, activation)

@@ -1,0 +1,348 @@
+"""A linear layer with its epilogue fused into the GEMM: bias, activation and residual in one kernel.
+
+Math, for x [..., K], weight [N, K] (``nn.Linear``'s layout), bias [N], residual [..., N]::
+
+    z   = x @ weight^T + bias            accumulated in float32
+    out = act(z) + residual              in float32, rounded once to x.dtype at the store
+
+    act: none (z), relu max(z, 0), gelu z * Phi(z) (erf), gelu_tanh z * sigmoid(2 u) with
+         u = sqrt(2 / pi) (z + 0.044715 z^3) (= 0.5 z (1 + tanh u), torch's approximate="tanh"), silu z * sigmoid(z)
+
+The unfused sequence (``F.linear``, the activation, ``+``) rounds to x.dtype after each of the three steps;
+this kernel rounds once, so it is at least as accurate. float32 inputs follow torch's matmul precision
+(``torch.get_float32_matmul_precision()``: "highest" computes in IEEE float32, "high"/"medium" allow TF32).
+
+The kernel is the classic tiled GEMM (Triton's matmul tutorial): each program computes a BLOCK_M x BLOCK_N
+tile of the output over K in BLOCK_K steps (tl.dot; wgmma on Hopper), programs are ordered in groups of
+GROUP_M tile rows so neighbouring programs share weight tiles in L2, and the epilogue runs on the float32
+accumulator before the one store. Rows and columns past M and N wrap to valid ones when loaded (never
+stored), the K tail is masked, so any M, N, K works.
+
+Registered as the custom op ``torch.ops.kpt.linear_epilogue`` (a ``torch.library.custom_op`` with a fake
+implementation and autograd; the backward is plain torch matmuls that recompute z from the saved inputs).
+Why custom_op rather than ``torch.library.triton_op``: triton_op would let Inductor call the kernel without a
+Python dispatch (which matters at small M), but its body is traced with fake tensors, and on the CPU a
+triton_op launching the interpreted kernel fails under torch.compile(backend="eager" and "aot_eager") ("Cannot
+access data pointer of Tensor", checked with torch 2.13 and triton 3.9). The custom op is one opaque call
+that works on every device, in eager, under CUDA graphs and under every torch.compile backend; Inductor
+calls it as an extern kernel (a Python call per launch). Dispatch inside the op:
+CUDA tensors in float16/bfloat16/float32 run the Triton kernel; CPU tensors run it in Triton's interpreter
+when ``TRITON_INTERPRET=1`` (set before this module was imported), else the eager ``reference``; every other
+case (no triton installed, float64, other devices) runs ``reference``. ``launches`` counts kernel launches
+(tests assert on it). Import this module as ``kpt_compiler.kernels.linear_epilogue`` only (the op registers
+once, when it is imported).
+"""
+
+import collections
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # torch 2.9's CI environment has no triton: the op runs the eager reference there
+    HAVE_TRITON = False
+
+    class _NoTriton:
+        """Stands in for triton and triton.language so the kernels below still define (and never run)."""
+
+        constexpr = None
+
+        @staticmethod
+        def jit(fn):
+            return fn
+
+        @staticmethod
+        def Config(*args, **kwargs):
+            return None
+
+        @staticmethod
+        def autotune(*args, **kwargs):
+            return lambda fn: fn
+
+    triton = tl = _NoTriton()
+
+__all__ = ["linear_epilogue", "reference", "ACTIVATIONS", "launches"]
+
+# triton.jit chooses the interpreter when decorating, so what counts is the environment at import time
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+launches = collections.Counter()  # "linear_epilogue" -> number of Triton launches: tests assert the kernel ran
+
+# ---------------------------------------------------------------------------------------------------------
+# Autotune configs. Autotuning is paid once per (M, N, K), so the list is short and pruned by M.
+# ---------------------------------------------------------------------------------------------------------
+CONFIGS = [
+    # large M: the usual Hopper winners (wgmma, 64-row warpgroups)
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
+    triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
+    # medium M (65 .. ~1024): smaller tiles so there are enough programs for every SM
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    # small M (decode, M <= 64): memory-bound on the weight; narrow N tiles spread it over every SM, and
+    # GROUP_M 8 puts the few tile rows that share a weight tile next to each other
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 8}, num_stages=3, num_warps=4),
+]
+
+
+def prune_configs(configs, named_args, **kwargs):
+    """Small-M configs for M <= 64, the others above (both keep the 64-row tiles); half the BLOCK_K for
+    float32 inputs, whose tiles take twice the shared memory. (Triton's autotuner keys on the dtypes too.)"""
+    small = named_args["M"] <= 64
+    kept = [c for c in configs if (c.kwargs["BLOCK_M"] <= 64 if small else c.kwargs["BLOCK_M"] >= 64)] or configs
+    if named_args["x_ptr"].element_size() == 4:
+        kept = [triton.Config({**c.kwargs, "BLOCK_K": max(16, c.kwargs["BLOCK_K"] // 2)}, num_warps=c.num_warps,
+                              num_stages=c.num_stages) for c in kept]
+    return kept
+
+
+# Triton's interpreter (CPU): one small fixed config, several programs and groups even at test sizes.
+INTERPRETER_META = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (tile row, tile column), ordered in groups of GROUP_M tile rows for L2 reuse."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def apply_activation(z, ACTIVATION: tl.constexpr):
+    """act(z) on a float32 tile (see the module docstring)."""
+    if ACTIVATION == "relu":
+        z = tl.maximum(z, 0.0)
+    elif ACTIVATION == "gelu":
+        z = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
+    elif ACTIVATION == "gelu_tanh":
+        z = z * tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))  # 2 * sqrt(2 / pi)
+    elif ACTIVATION == "silu":
+        z = z * tl.sigmoid(z)
+    return z
+
+
+@triton.jit
+def _linear_epilogue_kernel(
+    # pointers
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
+    # sizes: x [M, K], weight [N, K], bias [N], residual and out [M, N]
+    M, N, K,
+    # strides
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    stride_rm, stride_rn,
+    stride_om, stride_on,
+    # meta
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (float32 inputs only)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # rows and columns past the end wrap to valid ones: loaded and computed, never stored, so no M/N masks
+    rows = (offs_m % M).to(tl.int64)
+    cols = (offs_n % N).to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + cols[:, None] * stride_wn + offs_k[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K  # the K tail is masked to zeros
+        x = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        w = tl.load(w_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    # epilogue in float32: + bias, act, + residual, one rounding at the store
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+    acc = apply_activation(acc, ACTIVATION)
+    out_m = offs_m.to(tl.int64)[:, None]
+    out_n = offs_n.to(tl.int64)[None, :]
+    mask = (out_m < M) & (out_n < N)
+    if HAS_RESIDUAL:
+        acc += tl.load(res_ptr + out_m * stride_rm + out_n * stride_rn, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_m * stride_om + out_n * stride_on, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_linear_epilogue_autotuned = triton.autotune(
+    configs=CONFIGS, key=["M", "N", "K"], prune_configs_by={"early_config_prune": prune_configs},
+)(_linear_epilogue_kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launcher
+# ---------------------------------------------------------------------------------------------------------
+def input_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: TF32 for float32 only where torch's matmul precision allows it."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def launch_grid(M: int, N: int):
+    return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], res2: Optional[torch.Tensor],
+            activation: str, config: Optional[dict] = None) -> torch.Tensor:
+    """out [M, N] = act(x2 @ weight^T + bias) + res2 with the Triton kernel; inputs already checked.
+
+    ``config`` (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, optionally num_warps and num_stages) skips the autotuner:
+    the CPU's interpreter runs ``INTERPRETER_META``, tests run each autotune config."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    if M == 0 or N == 0:
+        return out
+    bias_arg = bias.contiguous() if bias is not None else out  # never read without HAS_BIAS
+    res_arg = res2 if res2 is not None else out  # never read without HAS_RESIDUAL
+    args = (x2, weight, bias_arg, res_arg, out, M, N, K, x2.stride(0), x2.stride(1), weight.stride(0),
+            weight.stride(1), res_arg.stride(0), res_arg.stride(1), out.stride(0), out.stride(1))
+    meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None, ACTIVATION=activation,
+                INPUT_PRECISION=input_precision(x2.dtype))
+    config = config or (None if x2.is_cuda else INTERPRETER_META)
+    if config is None:
+        _linear_epilogue_autotuned[launch_grid(M, N)](*args, **meta)
+    else:
+        _linear_epilogue_kernel[launch_grid(M, N)(config)](*args, **meta, **config)
+    launches["linear_epilogue"] += 1
+    return out
+
+
+def use_kernel(x: torch.Tensor) -> bool:
+    """Whether the op runs the Triton kernel on x's device and dtype (else the eager reference)."""
+    if not HAVE_TRITON or x.dtype not in _KERNEL_DTYPES:
+        return False
+    if x.is_cuda:
+        return not _INTERPRETED
+    return x.device.type == "cpu" and _INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_activation(activation) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: unknown {activation!r}; expected one of {', '.join(map(repr, ACTIVATIONS))}")
+
+
+def _check(x, weight, bias, residual, activation) -> None:
+    check_activation(activation)
+    if x.dim() < 1:
+        raise ValueError("x: expected at least one dimension [..., K], got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected 2 dimensions [N, K] (nn.Linear's layout), got shape {tuple(weight.shape)}")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"weight: K mismatch, x is {tuple(x.shape)} (K={x.shape[-1]}) but weight is "
+                         f"{tuple(weight.shape)} (K={weight.shape[1]}); weight must be [N, K]")
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    for name, t, shape in (("weight", weight, None), ("bias", bias, (weight.shape[0],)),
+                           ("residual", residual, out_shape)):
+        if t is None:
+            continue
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+        if t.dtype != x.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from x's {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, x is on {x.device}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Eager reference
+# ---------------------------------------------------------------------------------------------------------
+ACTIVATIONS = {
+    "none": lambda z: z,
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def reference(x, weight, bias=None, residual=None, activation: str = "none") -> torch.Tensor:
+    """The unfused sequence the kernel replaces: F.linear, the activation, + residual (each in x.dtype)."""
+    out = ACTIVATIONS[activation](F.linear(x, weight, bias))
+    return out if residual is None else out + residual
+
+
+def activation_backward(grad: torch.Tensor, z: torch.Tensor, activation: str) -> torch.Tensor:
+    """d act(z) / dz * grad, with ATen's backward ops (exact, and differentiable again)."""
+    if activation == "relu":
+        return torch.ops.aten.threshold_backward(grad, z, 0)
+    if activation == "gelu":
+        return torch.ops.aten.gelu_backward(grad, z)
+    if activation == "gelu_tanh":
+        return torch.ops.aten.gelu_backward(grad, z, approximate="tanh")
+    if activation == "silu":
+        return torch.ops.aten.silu_backward(grad, z)
+    return grad
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Custom op: torch.ops.kpt.linear_epilogue, its fake implementation and autograd
+# ---------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kpt::linear_epilogue", mutates_args=())
+def _linear_epilogue_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                        residual: Optional[torch.Tensor] = None, activation: str = "none") -> torch.Tensor:
+    _check(x, weight, bias, residual, activation)
+    if not use_kernel(x):
+        return reference(x, weight, bias, residual, activation)
+    K, N = x.shape[-1], weight.shape[0]
+    res2 = residual.reshape(-1, N) if residual is not None else None
+    return _launch(x.reshape(-1, K), weight, bias, res2, activation).view(*x.shape[:-1], N)
+
+
+@_linear_epilogue_op.register_fake
+def _(x, weight, bias=None, residual=None, activation="none"):
+    _check(x, weight, bias, residual, activation)
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, residual, activation = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.activation = activation
+
+
+def _backward(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    K, N = weight.shape[1], weight.shape[0]
+    x2, g2 = x.reshape(-1, K), grad.reshape(-1, N)
+    # dL/dz: z recomputed from the saved inputs (cheaper in memory than saving it)
+    gz = g2 if ctx.activation == "none" else activation_backward(g2, F.linear(x2, weight, bias), ctx.activation)
+    # defaulted arguments left out of the call have no entry in needs_input_grad
+    need_x, need_w, need_b, need_r = (tuple(ctx.needs_input_grad) + (False,) * 4)[:4]
+    grad_x = (gz @ weight).view(x.shape) if need_x else None
+    grad_w = gz.t() @ x2 if need_w else None
+    grad_b = gz.sum(0) if need_b and bias is not None else None
+    grad_r = grad if need_r else None
+    return grad_x, grad_w, grad_b, grad_r, None
+
+
+_linear_epilogue_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_epilogue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                    residual: Optional[torch.Tensor] = None, activation: str = "none") -> torch.Tensor:
+    """act(x @ weight^T + bias) + residual in one kernel; see the module docstring."""
+    return torch.ops.kpt.linear_epilogue(x, weight, bias, residual, activation)

@@ -1,0 +1,422 @@
+"""fusion: what Inductor leaves apart, fused with our kernels (kernels/), where that is faster.
+
+Inductor fuses chains of pointwise and reduction ops itself; these rules fuse across the GEMMs it calls from
+cuBLAS and across weights, in Dynamo's torch-level graph (stage pre_aot, so each custom op's own autograd
+gives the backward, as for the attention pass). Rules, in the order they run::
+
+    batch_norm(conv2d(x, W, b), mean, var, g, beta, training=False)   # conv_bn (inference: running stats)
+        -> conv2d(x, W * s, (b - mean) * s + beta), s = g / sqrt(var + eps)
+    rms_norm(a + r) as Llama writes it (or F.rms_norm), layer_norm(a + r)   # norm
+        -> y, h = add_rms_norm(a, r, w, eps)   /  add_layer_norm(a, r, w, b, eps)  (h keeps its other users)
+    act(linear(x, Wg)) * linear(x, Wu)                                # gated (Llama's MLP)
+        -> gated_linear(x, Wg, Wu, act)                                 (x read once, no [M, 2I] tensor)
+    act(linear(x, W, b)) + r                                          # epilogue (bias/act/residual, any subset)
+        -> linear_epilogue(x, W, b, r, act)
+    linear(x, W1), linear(x, W2), ... (same x)                        # horizontal (q, k, v projections)
+        -> split(linear(x, cat([W1, W2, ...])), [N1, N2, ...])
+
+Each GEMM and norm rewrite is taken only when ``kpt_compiler.profitability.decide`` says ours is faster
+for that shape, dtype and device (``decide`` option: "auto", "measure", "always"; see that module); the report
+notes every decision with its figures. The conv_bn rule removes work outright (a pass over the activations)
+and needs no decision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from kpt_compiler import torch_ir as ir
+from kpt_compiler.graph_utils import drop_unused
+from kpt_compiler.pipeline import PassContext, graph_pass
+from kpt_compiler.profitability import Candidate, decide
+
+# The cost model (kpt_compiler/profitability.py): ours against Inductor, (M, K, N, speed-up), bf16, measured
+# on an NVIDIA H100 80GB HBM3 on 2026-11-26 by `python -m benchmarks.bench_gated_linear` and
+# `python -m benchmarks.bench_linear_epilogue --activation gelu_tanh` (results under benchmarks/results/).
+CALIBRATION = {
+    "gated_linear": ((4096, 4096, 4096, 0.89), (8192, 8192, 8192, 0.81), (8192, 4096, 14336, 0.84),
+                     (8192, 1024, 2816, 1.04), (128, 4096, 4096, 1.12), (1, 4096, 4096, 1.31)),
+    "linear_epilogue": ((4096, 4096, 4096, 0.88), (8192, 8192, 8192, 0.80), (8192, 4096, 14336, 0.86),
+                        (8192, 1024, 2816, 0.88), (128, 4096, 4096, 0.71), (1, 4096, 4096, 0.70)),
+}
+# Kinds without a calibration: taken from this many rows up (the norms: never, until one beats Inductor).
+MIN_ROWS = {"gated_linear": 0, "linear_epilogue": 0, "horizontal": 1024, "add_rms_norm": 1 << 62,
+            "add_layer_norm": 1 << 62}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionOptions:
+    conv_bn: bool = True  # inference: fold batch norm (running statistics) into the convolution before it
+    norm: bool = True  # residual add + RMSNorm / LayerNorm -> one kernel returning both
+    gated: bool = True  # act(x @ Wg^T) * (x @ Wu^T) -> one GEMM kernel reading x once
+    epilogue: bool = True  # GEMM + bias / activation / residual add -> one GEMM kernel
+    horizontal: bool = True  # linears sharing their input -> one GEMM over concatenated weights
+    # "auto": cached measurements, else the cost model; "measure": time on the device at compile time
+    # (the default under mode="max-autotune"); "always": every match (tests; users who measured)
+    decide: Literal["auto", "measure", "always"] = "auto"
+
+
+_ACTS = {"silu": "silu", "relu": "relu"}
+
+
+def _activation(node: Any) -> str | None:
+    """The activation a node applies, in our kernels' names, or None."""
+    k = ir.kind(node)
+    if k in _ACTS:
+        return _ACTS[k]
+    if k == "gelu":
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(ir.arg(node, "approximate", "none"))
+    return None
+
+
+@graph_pass("fusion", summary="GEMM epilogues, gated MLPs, residual+norm, q/k/v projections, conv+bn -> fused",
+            stage="pre_aot", options=FusionOptions,
+            statistics=("matches", "near_misses", "conv_bn", "norm", "gated", "epilogue", "horizontal"),
+            supports=lambda target, options: "XLA fuses for itself" if target.device == "xla" else None)
+def fuse(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    how = "measure" if ctx.options.decide == "auto" and ctx.mode == "max-autotune" else ctx.options.decide
+    changed = False
+    for rule in (_conv_bn, _norm, _gated, _epilogue, _horizontal):
+        if getattr(ctx.options, rule.__name__[1:]):
+            for node in list(gm.graph.nodes):
+                if node.graph is gm.graph and (node.users or node.op == "placeholder"):  # not replaced already
+                    changed |= bool(rule(gm, node, ctx, how))
+            drop_unused(gm.graph)  # what a rewrite replaced must not match the next rule
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _val(node: Any) -> Any:
+    return ir.example_value(node)
+
+
+def _one_user(node: fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def _rows(x: fx.Node) -> int | None:
+    v = _val(x)
+    if not isinstance(v, torch.Tensor) or not all(isinstance(s, int) for s in v.shape) or v.dim() < 1:
+        return None
+    return v.numel() // max(v.shape[-1], 1)
+
+
+def _ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes: dict, ours=None,
+         baseline_ms=None, source=None) -> bool:
+    rows, v = _rows(x), _val(x)
+    if rows is None:
+        ctx.near_miss(f"{node.name}: {kind} with dynamic shapes (the decision needs sizes)")
+        return False
+    mkn = (rows, shapes["K"], shapes["N"]) if isinstance(shapes.get("N"), int) and "K" in shapes else None
+    d = decide(how, Candidate(kind, rows, shapes, v.dtype, v.device, MIN_ROWS[kind], ours, baseline_ms, source,
+                              mkn, CALIBRATION.get(kind, ()) if v.dtype == torch.bfloat16 else ()))
+    if not d.rewrite:
+        ctx.near_miss(f"{node.name}: {kind} not faster here ({d.why})")
+    else:
+        ctx.note(f"{node.name}: {kind} {rows}x{shapes} ({d.why})")
+    return d.rewrite
+
+
+def _emit(gm, fn, args, kwargs=None, like=None):
+    return ir.emit(gm.graph, fn, args, kwargs or {}, like=like)
+
+
+def _replace(old: fx.Node, new: fx.Node) -> None:
+    old.replace_all_uses_with(new)
+
+
+def _same_tensor_shape(a: Any, b: Any) -> bool:
+    va, vb = _val(a), _val(b)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.shape == vb.shape
+            and va.dtype == vb.dtype and va.device == vb.device)
+
+
+# ---------------------------------------------------------------------------------------------- conv + bn
+
+
+def folded_weight(w, var, gamma, eps):
+    scale = torch.rsqrt(var.float() + eps) * (gamma.float() if gamma is not None else 1.0)
+    return (w.float() * scale.reshape(-1, *([1] * (w.dim() - 1)))).to(w.dtype)
+
+
+def folded_bias(b, mean, var, gamma, beta, eps, like):
+    scale = torch.rsqrt(var.float() + eps) * (gamma.float() if gamma is not None else 1.0)
+    shift = ((b.float() if b is not None else 0.0) - mean.float()) * scale
+    return (shift + (beta.float() if beta is not None else 0.0)).to(like.dtype)
+
+
+def _conv_bn(gm, bn, ctx, how):  # batch_norm(conv2d(x, W, b), ..., training=False) -> conv2d(x, W', b')
+    if ir.kind(bn) != "batch_norm" or ir.arg(bn, "training", False) is not False:
+        return False
+    conv = ir.arg(bn, "input")
+    if ir.kind(conv) != "conv2d" or not _one_user(conv):
+        return False
+    mean, var = ir.arg(bn, "running_mean"), ir.arg(bn, "running_var")
+    gamma, beta, eps = ir.arg(bn, "weight", None), ir.arg(bn, "bias", None), ir.arg(bn, "eps", 1e-5)
+    if not (isinstance(mean, fx.Node) and isinstance(var, fx.Node) and isinstance(eps, float)):
+        return False
+    w, b = ir.arg(conv, "weight"), ir.arg(conv, "bias", None)
+    with gm.graph.inserting_before(bn):
+        w2 = _emit(gm, folded_weight, (w, var, gamma, eps), like=conv)
+        b2 = _emit(gm, folded_bias, (b, mean, var, gamma, beta, eps, w), like=conv)
+        rest = [ir.arg(conv, n, d) for n, d in (("stride", 1), ("padding", 0), ("dilation", 1), ("groups", 1))]
+        new = _emit(gm, torch.conv2d, (ir.arg(conv, "input"), w2, b2, *rest), like=bn)
+    _replace(bn, new)
+    ctx.count()
+    ctx.count("conv_bn")
+    ctx.note(f"{bn.name}: batch norm folded into {conv.name}")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- norms
+
+
+def _rms_chain(out: fx.Node):
+    """Llama's RMSNorm: w * (hf * rsqrt(mean(hf ** 2, -1, keepdim=True) + eps)).to(dtype), hf = h.float()
+    -> (h, w, eps) or None."""
+    if ir.kind(out) != "mul":
+        return None
+    for w, c in ((ir.arg(out, "input"), ir.arg(out, "other")), (ir.arg(out, "other"), ir.arg(out, "input"))):
+        if ir.kind(c) != "cast" or not _one_user(c) or not isinstance(w, fx.Node):
+            continue
+        m = ir.arg(c, "input")
+        if ir.kind(m) != "mul" or not _one_user(m):
+            continue
+        a, r = ir.arg(m, "input"), ir.arg(m, "other")
+        hf, r = (a, r) if ir.kind(r) == "rsqrt" else (r, a)
+        if ir.kind(r) != "rsqrt" or ir.kind(ir.arg(r, "input")) != "add":
+            continue
+        add = ir.arg(r, "input")
+        mean, eps = ir.arg(add, "input"), ir.arg(add, "other")
+        if ir.kind(mean) != "mean" or not isinstance(eps, float):
+            continue
+        sq = ir.arg(mean, "input")
+        if ir.kind(sq) != "pow" or ir.arg(sq, "input") is not hf or ir.arg(sq, "exponent") != 2:
+            continue
+        dim, keep = ir.arg(mean, "dim", None), ir.arg(mean, "keepdim", False)
+        if dim not in (-1, [-1], (-1,)) or keep is not True:
+            continue
+        h = ir.arg(hf, "input") if ir.kind(hf) == "cast" and ir.cast_dtype(hf) == torch.float32 else hf
+        if c.args[1:] and ir.cast_dtype(c) != _val(h).dtype or _val(w).dim() != 1:
+            continue
+        return h, w, eps
+    return None
+
+
+def _norm(gm, node, ctx, how):  # norm(a + r) -> y, h = add_<norm>(a, r, ...)
+    k = ir.kind(node)
+    if k in ("rms_norm", "layer_norm"):
+        h = ir.arg(node, "input")
+        shape = ir.arg(node, "normalized_shape")
+        if not isinstance(shape, (list, tuple)) or len(shape) != 1:
+            return False
+        w = ir.arg(node, "weight", None)
+        eps = ir.arg(node, "eps", None)
+        extra = {"cast_before_weight": False} if k == "rms_norm" else {"bias": ir.arg(node, "bias", None)}
+        if k == "rms_norm" and eps is None:  # F.rms_norm's default: float32's eps for half-precision inputs
+            eps = torch.finfo(torch.promote_types(_val(h).dtype, torch.float32)).eps
+        elif k == "layer_norm" and eps is None:
+            eps = 1e-5
+    else:
+        found = _rms_chain(node)
+        if found is None:
+            return False
+        (h, w, eps), extra, k = found, {"cast_before_weight": True}, "rms_norm"
+    if ir.kind(h) != "add" or h.kwargs.get("alpha", 1) != 1 or not isinstance(eps, float):
+        return False
+    a, r = ir.arg(h, "input"), ir.arg(h, "other")
+    if not (isinstance(a, fx.Node) and isinstance(r, fx.Node) and _same_tensor_shape(a, r) and _same_tensor_shape(a, h)):
+        return False
+    kind = "add_" + k
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    params = [p for p in (w, extra.get("bias")) if isinstance(p, fx.Node)]
+    if any(order[p] > order[h] for p in params):
+        return False  # the fused op goes where the add was: its weights must exist there
+    if not _ask(ctx, how, node, kind, a, {"N": _val(a).shape[-1]}, source=_kernels(kind)):
+        return False
+    fn = getattr(_kernels(kind), kind)
+    with gm.graph.inserting_before(h.next):
+        if k == "rms_norm":
+            both = _emit(gm, fn, (a, r, w, eps), extra, like=node)
+        else:
+            both = _emit(gm, fn, (a, r, w, extra["bias"], eps), like=node)
+        y = _emit(gm, operator.getitem, (both, 0), like=node)
+        h_new = _emit(gm, operator.getitem, (both, 1), like=h)
+    _replace(node, y)
+    _replace(h, h_new)
+    ctx.count()
+    ctx.count("norm")
+    return True
+
+
+def _kernels(kind: str):
+    import importlib
+
+    module = {"add_rms_norm": "rms_norm", "add_layer_norm": "layer_norm"}.get(kind, kind)
+    return importlib.import_module(f"kpt_compiler.kernels.{module}")
+
+
+# ---------------------------------------------------------------------------------------------- GEMMs
+
+
+def _plain_linear(node: Any, x: Any = None) -> bool:
+    """A bias-free linear (of ``x`` if given) whose output has one user."""
+    return (ir.kind(node) == "linear" and ir.arg(node, "bias", None) is None and _one_user(node)
+            and (x is None or ir.arg(node, "input") is x))
+
+
+def _gemm_baseline(device, rows: int, K: int, Ns: list[int], dtype, epilogue_bytes: int):
+    """Inductor at its best: the cuBLAS GEMMs, then its fused epilogue at this card's copy bandwidth."""
+    def ms():
+        from kpt_compiler.bench import copy_bandwidth, median_ms
+
+        x = torch.randn(rows, K, device=device, dtype=dtype)
+        ws = [torch.randn(n, K, device=device, dtype=dtype) for n in Ns]
+        gemm = median_ms(lambda: [F.linear(x, w) for w in ws], device.type, warmup_ms=25, rep_ms=100)
+        return gemm + epilogue_bytes / (copy_bandwidth(device=device.type) * 1e12) * 1e3
+    return ms
+
+
+def _gated(gm, node, ctx, how):  # act(linear(x, Wg)) * linear(x, Wu) -> gated_linear(x, Wg, Wu, act)
+    if ir.kind(node) != "mul":
+        return False
+    a, b = ir.arg(node, "input"), ir.arg(node, "other")
+    for act, up in ((a, b), (b, a)):
+        name = _activation(act)
+        if name is None or not _one_user(act) or not _plain_linear(ir.arg(act, "input")):
+            continue
+        gate = ir.arg(act, "input")
+        x = ir.arg(gate, "input")
+        if not _plain_linear(up, x):
+            continue
+        wg, wu = ir.arg(gate, "weight"), ir.arg(up, "weight")
+        if _val(wg).shape != _val(wu).shape:
+            continue
+        N, K = _val(wg).shape
+        rows, dtype, device = _rows(x), _val(x).dtype, _val(x).device
+        from kpt_compiler.kernels import gated_linear as kernel
+
+        def ours(rows=rows, N=N, K=K):
+            t = [torch.randn(*s, device=device, dtype=dtype) for s in ((rows, K), (N, K), (N, K))]
+            return lambda: kernel.gated_linear(*t, name)
+        if not _ask(ctx, how, node, "gated_linear", x, {"K": K, "N": N, "act": name},
+                    ours=ours() if how == "measure" else None, source=kernel,
+                    baseline_ms=_gemm_baseline(device, rows or 0, K, [N, N], dtype, 3 * (rows or 0) * N * 2)):
+            return False
+        with gm.graph.inserting_before(node):
+            new = _emit(gm, kernel.gated_linear, (x, wg, wu, name), like=node)
+        _replace(node, new)
+        ctx.count()
+        ctx.count("gated")
+        return True
+    return False
+
+
+def _epilogue(gm, node, ctx, how):  # act(linear(x, W, b)) + r -> linear_epilogue(x, W, b, r, act)
+    if ir.kind(node) != "linear":
+        return False
+    x, w, bias = ir.arg(node, "input"), ir.arg(node, "weight"), ir.arg(node, "bias", None)
+    last, act, residual = node, "none", None
+    if _one_user(last) and _activation(next(iter(last.users))) is not None:
+        last = next(iter(last.users))
+        act = _activation(last)
+    if _one_user(last) and ir.kind(next(iter(last.users))) == "add":
+        add = next(iter(last.users))
+        other = ir.arg(add, "other") if ir.arg(add, "input") is last else ir.arg(add, "input")
+        if add.kwargs.get("alpha", 1) == 1 and isinstance(other, fx.Node) and _same_tensor_shape(other, add) \
+                and _same_tensor_shape(last, add):
+            last, residual = add, other
+    if bias is None and act == "none" and residual is None:
+        return False
+    if isinstance(bias, fx.Node) and _val(bias).dtype != _val(x).dtype:
+        return False
+    N, K = _val(w).shape
+    rows, dtype, device = _rows(x), _val(x).dtype, _val(x).device
+    from kpt_compiler.kernels import linear_epilogue as kernel
+
+    def ours():
+        t = [torch.randn(*s, device=device, dtype=dtype) for s in ((rows, K), (N, K), (N,), (rows, N))]
+        return lambda: kernel.linear_epilogue(t[0], t[1], t[2] if bias is not None else None,
+                                              t[3] if residual is not None else None, act)
+    epilogue = (2 + (residual is not None)) * (rows or 0) * N * 2
+    if not _ask(ctx, how, last, "linear_epilogue", x, {"K": K, "N": N, "act": act, "bias": bias is not None,
+                                                       "residual": residual is not None},
+                ours=ours() if how == "measure" else None, source=kernel,
+                baseline_ms=_gemm_baseline(device, rows or 0, K, [N], dtype, epilogue)):
+        return False
+    with gm.graph.inserting_before(last):
+        new = _emit(gm, kernel.linear_epilogue, (x, w, bias, residual, act), like=last)
+    _replace(last, new)
+    ctx.count()
+    ctx.count("epilogue")
+    return True
+
+
+def _horizontal(gm, x, ctx, how):  # linear(x, W1), linear(x, W2), ... -> split(linear(x, cat(Ws)))
+    members = [u for u in x.users if ir.kind(u) == "linear" and ir.arg(u, "input") is x]
+    groups: dict = {}
+    for m in members:
+        w, b = ir.arg(m, "weight"), ir.arg(m, "bias", None)
+        wv = _val(w)
+        if isinstance(w, fx.Node) and isinstance(wv, torch.Tensor) and wv.dim() == 2:
+            groups.setdefault((wv.dtype, wv.shape[1], b is None), []).append(m)
+    changed = False
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for (dtype, K, no_bias), group in groups.items():
+        first = min(group, key=order.__getitem__)
+        group = [m for m in group if all(order.get(a, -1) < order[first] for a in m.all_input_nodes)]
+        if len(group) < 2 or not _views_stay_valid(group):
+            continue
+        group.sort(key=order.__getitem__)
+        Ns = [_val(ir.arg(m, "weight")).shape[0] for m in group]
+        rows, device = _rows(x), _val(x).device
+
+        def ours(Ns=Ns, K=K):
+            xs = torch.randn(rows, K, device=device, dtype=dtype)
+            ws = [torch.randn(n, K, device=device, dtype=dtype) for n in Ns]
+            return lambda: F.linear(xs, torch.cat(ws))
+        if not _ask(ctx, how, first, "horizontal", x, {"K": K, "N": Ns},
+                    ours=ours() if how == "measure" else None, source=_horizontal,
+                    baseline_ms=_gemm_baseline(device, rows or 0, K, Ns, dtype, 0)):
+            continue
+        with gm.graph.inserting_before(first):
+            w = _emit(gm, torch.cat, ([ir.arg(m, "weight") for m in group], 0), like=first)
+            b = None if no_bias else _emit(gm, torch.cat, ([ir.arg(m, "bias") for m in group], 0), like=first)
+            y = _emit(gm, F.linear, (x, w, b), like=first)
+            parts = _emit(gm, torch.split, (y, Ns, -1), like=first)
+            for i, m in enumerate(group):
+                _replace(m, _emit(gm, operator.getitem, (parts, i), like=m))
+        ctx.count()
+        ctx.count("horizontal")
+        changed = True
+    return changed
+
+
+def _views_stay_valid(group: list[fx.Node]) -> bool:
+    """A slice of the fused output has the fused row stride: check each ``.view`` user still works on it."""
+    total = sum(_val(m).shape[-1] for m in group)
+    for m in group:
+        v = _val(m)
+        strides, acc = [1] * v.dim(), total  # the slice's strides: rows of the fused output
+        for d in range(v.dim() - 2, -1, -1):
+            strides[d] = acc
+            acc *= v.shape[d]
+        fake = torch.empty_strided(v.shape, strides, dtype=v.dtype, device="meta")
+        for u in m.users:
+            if u.op == "call_method" and u.target == "view":
+                shape = u.args[1:] if not isinstance(u.args[1], (list, tuple)) else u.args[1]
+                if not all(isinstance(s, int) for s in shape):
+                    return False
+                try:
+                    fake.view(*shape)
+                except RuntimeError:
+                    return False
+    return True

@@ -1,0 +1,147 @@
+"""The fused GEMM kernels on the GPU: bf16 at model sizes against float32, the backward, inside Inductor.
+
+Run on the H100 machine: pytest -m gpu tests/gpu/test_gemm_kernels_gpu.py
+Single rounding of a float32 result: bf16 is within half an ulp (2^-9 relative) of the float32 reference and
+at least as accurate as the unfused bf16 sequence.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kpt_compiler.bench import relative_error
+
+pytest.importorskip("triton")
+
+from kpt_compiler.kernels import gated_linear as gl  # noqa: E402
+from kpt_compiler.kernels import linear_epilogue as le  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [  # (M, K, N): Llama-ish projections at 8192 tokens, a short prefill, one decode token
+    (8192, 1024, 1024), (8192, 1024, 2816), (8192, 1024, 4096), (128, 1024, 2816), (1, 1024, 4096),
+]
+BF16 = dict(atol=1e-4, rtol=4e-3)  # twice bf16's half ulp, relative
+
+
+def _randn(*shape, scale=1.0, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, device="cuda", generator=g) * scale).to(dtype)
+
+
+def _linear_inputs(M, K, N, dtype=torch.bfloat16, bias=True, residual=True):
+    return (_randn(M, K, dtype=dtype, seed=1), _randn(N, K, scale=K ** -0.5, dtype=dtype, seed=2),
+            _randn(N, dtype=dtype, seed=3) if bias else None, _randn(M, N, dtype=dtype, seed=4) if residual else None)
+
+
+def _gated_inputs(M, K, N, dtype=torch.bfloat16):
+    return (_randn(M, K, dtype=dtype, seed=1), _randn(N, K, scale=K ** -0.5, dtype=dtype, seed=2),
+            _randn(N, K, scale=K ** -0.5, dtype=dtype, seed=3))
+
+
+def _float(*ts):
+    return [t if t is None else t.float() for t in ts]
+
+
+@pytest.mark.parametrize("activation, bias, residual", [("gelu_tanh", True, True), ("none", False, False),
+                                                        ("silu", False, True)])
+@pytest.mark.parametrize("M, K, N", SHAPES)
+def test_linear_epilogue_bf16_at_model_sizes(M, K, N, activation, bias, residual):
+    args = _linear_inputs(M, K, N, bias=bias, residual=residual)
+    before = le.launches["linear_epilogue"]
+    out = le.linear_epilogue(*args, activation=activation)
+    assert le.launches["linear_epilogue"] == before + 1
+    ref = le.reference(*_float(*args), activation=activation)
+    torch.testing.assert_close(out.float(), ref, **BF16)
+    eager = le.reference(*args, activation=activation)  # the unfused bf16 sequence
+    assert relative_error(out, ref) <= 1.1 * relative_error(eager, ref) + 1e-6
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("M, K, N", SHAPES)
+def test_gated_linear_bf16_at_model_sizes(M, K, N, activation):
+    args = _gated_inputs(M, K, N)
+    before = gl.launches["gated_linear"]
+    out = gl.gated_linear(*args, activation=activation)
+    assert gl.launches["gated_linear"] == before + 1
+    ref = gl.reference(*_float(*args), activation=activation)
+    torch.testing.assert_close(out.float(), ref, **BF16)
+    eager = gl.reference(*args, activation=activation)
+    assert relative_error(out, ref) <= 1.1 * relative_error(eager, ref) + 1e-6
+
+
+@pytest.mark.parametrize("activation", list(le.ACTIVATIONS))
+def test_every_activation_bf16(activation):
+    args = _linear_inputs(1000, 1024, 1000)
+    torch.testing.assert_close(le.linear_epilogue(*args, activation=activation).float(),
+                               le.reference(*_float(*args), activation=activation), **BF16)
+    args = _gated_inputs(1000, 1024, 1000)
+    torch.testing.assert_close(gl.gated_linear(*args, activation=activation).float(),
+                               gl.reference(*_float(*args), activation=activation), **BF16)
+
+
+@pytest.mark.parametrize("precision, tol", [("highest", 1e-5), ("high", 2e-3)])
+def test_float32_follows_torchs_matmul_precision(precision, tol):
+    # float32 configs have half the K step (shared memory); "highest": IEEE float32 dot products, "high": TF32
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        args = _linear_inputs(520, 1000, 1030, dtype=torch.float32)
+        ref = le.reference(*[t.double() for t in args], activation="gelu")
+        assert relative_error(le.linear_epilogue(*args, activation="gelu"), ref) < tol
+        args = _gated_inputs(520, 1000, 1030, dtype=torch.float32)
+        ref = gl.reference(*[t.double() for t in args])
+        assert relative_error(gl.gated_linear(*args), ref) < tol
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def _grads_vs_float32(fn, args, reference):
+    args = [t if t is None else t.requires_grad_() for t in args]
+    fn(*args).float().square().mean().backward()
+    ref_args = [t if t is None else t.detach().float().requires_grad_() for t in args]
+    reference(*ref_args).square().mean().backward()
+    for t, r in zip(args, ref_args):
+        if t is not None:
+            assert relative_error(t.grad, r.grad) < 1e-2
+
+
+def test_linear_epilogue_backward_bf16():
+    _grads_vs_float32(lambda *a: le.linear_epilogue(*a, activation="gelu"), _linear_inputs(2048, 1024, 2816),
+                      lambda *a: le.reference(*a, activation="gelu"))
+
+
+def test_gated_linear_backward_bf16():
+    _grads_vs_float32(gl.gated_linear, _gated_inputs(2048, 1024, 2816), gl.reference)
+
+
+def _mlp_block(x, w_gate, w_up, w_down, b_down, fused=True):
+    """A Llama MLP block with a residual: x + W_down (silu(W_gate h) * W_up h) + b_down, h = rms_norm(x)."""
+    h = F.rms_norm(x, (x.shape[-1],))
+    if fused:
+        return le.linear_epilogue(gl.gated_linear(h, w_gate, w_up), w_down, b_down, x)
+    return F.linear(gl.reference(h, w_gate, w_up), w_down, b_down) + x
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_inside_inductor_on_cuda(mode):
+    x = _randn(4, 256, 1024, seed=1)
+    params = [_randn(2816, 1024, scale=1024 ** -0.5, seed=2), _randn(2816, 1024, scale=1024 ** -0.5, seed=3),
+              _randn(1024, 2816, scale=2816 ** -0.5, seed=4), _randn(1024, seed=5)]
+    ref = _mlp_block(x.float(), *_float(*params), fused=False)
+    compiled = torch.compile(_mlp_block, backend="inductor", mode=mode)
+    if mode is None:  # training: the ops' backward inside the compiled graph
+        args = [t.requires_grad_() for t in (x, *params)]
+        before = le.launches["linear_epilogue"], gl.launches["gated_linear"]
+        out = compiled(*args)
+        assert (le.launches["linear_epilogue"], gl.launches["gated_linear"]) == (before[0] + 1, before[1] + 1)
+        out.float().square().mean().backward()
+        ref_args = [t.detach().float().requires_grad_() for t in args]
+        _mlp_block(*ref_args, fused=False).square().mean().backward()
+        for t, r in zip(args, ref_args):
+            assert relative_error(t.grad, r.grad) < 1e-2
+    else:  # CUDA graphs: autotuning happens in the warm-up calls, replays run the recorded kernels
+        with torch.no_grad():
+            for _ in range(3):
+                out = compiled(x, *params)
+    assert relative_error(out, ref) < 1e-2

@@ -1,0 +1,198 @@
+"""The fusion pass: each rule on a small graph (match counts; numerics and gradients against float64 eager),
+the profitability decision, and the near misses. On this CPU machine our kernels run in Triton's interpreter."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kpt_compiler
+from kpt_compiler.bench import first_tensor, relative_error
+
+TOL = 1e-5
+ALWAYS = {"fusion": {"decide": "always"}}
+
+
+def _compile(fn, options=None):
+    return torch.compile(fn, backend="kernelpytorch", options={"codegen": "eager", **(ALWAYS if options is None else options)})
+
+
+def _check(fn, *inputs, stat, matches=1, train=True, options=None):
+    """Compile ``fn``, compare with float64 eager (output and gradients), return the fusion record."""
+    args = [t.detach().clone().requires_grad_(train and t.is_floating_point()) for t in inputs]
+    out = _compile(fn, options)(*args)
+    ref_args = [t.detach().double().requires_grad_(train and t.is_floating_point()) for t in inputs]
+    ref = fn(*ref_args)
+    assert relative_error(first_tensor(out), first_tensor(ref)) < TOL
+    if train:
+        first_tensor(out).square().sum().backward()
+        first_tensor(ref).square().sum().backward()
+        for t, r in zip(args, ref_args):
+            if r.grad is not None:
+                assert relative_error(t.grad, r.grad) < TOL
+    rec = kpt_compiler.last_report().pass_record("fusion")
+    assert rec.matches == matches and rec.stats.get(stat, 0) == matches, rec.notes
+    return rec
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed + sum(shape)))
+
+
+M, K, N = 9, 24, 20  # odd sizes on purpose
+
+
+@pytest.mark.parametrize("act", [F.silu, F.gelu, F.relu, lambda t: F.gelu(t, approximate="tanh")])
+def test_gated_mlp(act):
+    def mlp(x, wg, wu, wd):
+        return F.linear(act(F.linear(x, wg)) * F.linear(x, wu), wd)
+
+    rec = _check(mlp, _randn(2, M, K), _randn(N, K, seed=1), _randn(N, K, seed=2), _randn(K, N, seed=3), stat="gated")
+    assert "gated_linear" in rec.notes[0]
+    assert "gated_linear" in kpt_compiler.last_report().stages["pre_aot"].ops_after
+
+
+@pytest.mark.parametrize("with_bias,act,residual", [(True, None, False), (True, F.gelu, False),
+                                                    (False, F.relu, True), (True, F.silu, True)])
+def test_gemm_epilogue(with_bias, act, residual):
+    def layer(x, w, b, r):
+        y = F.linear(x, w, b if with_bias else None)
+        y = act(y) if act is not None else y
+        return y + r if residual else y * 1.0
+
+    rec = _check(layer, _randn(M, K), _randn(N, K, seed=1), _randn(N, seed=2), _randn(M, N, seed=3), stat="epilogue")
+    assert "linear_epilogue" in rec.notes[0]
+
+
+def _hf_rms_norm(h, w, eps=1e-6):  # transformers' LlamaRMSNorm, as written there
+    dtype = h.dtype
+    hf = h.to(torch.float32)
+    variance = hf.pow(2).mean(-1, keepdim=True)
+    hf = hf * torch.rsqrt(variance + eps)
+    return w * hf.to(dtype)
+
+
+def test_residual_add_and_llama_rms_norm():
+    def block(x, r, w, w2):
+        h = x + r
+        y = _hf_rms_norm(h, w)
+        return F.linear(y, w2) + h  # h is used again: the fused op returns it
+
+    x, r, w, w2 = _randn(2, M, K), _randn(2, M, K, seed=1), _randn(K, seed=2), _randn(K, K, seed=3)
+    _check(block, x, r, w, w2, stat="norm", options={"fusion": {"decide": "always", "epilogue": False}})
+    ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
+    assert "add_rms_norm" in ops and "rsqrt" not in ops, ops
+
+
+def test_residual_add_and_layer_norm():
+    def block(x, r, w, b):
+        return F.layer_norm(x + r, (K,), w, b, 1e-5)
+
+    _check(block, _randn(M, K), _randn(M, K, seed=1), _randn(K, seed=2), _randn(K, seed=3), stat="norm")
+
+
+def test_qkv_projections_become_one_gemm():
+    def qkv(x, wq, wk, wv):
+        B, L, _ = x.shape
+        q = F.linear(x, wq).view(B, L, -1, 4).transpose(1, 2)
+        k = F.linear(x, wk).view(B, L, -1, 4).transpose(1, 2)
+        v = F.linear(x, wv).view(B, L, -1, 2).transpose(1, 2)
+        return (q @ k.transpose(-2, -1)) @ v
+
+    rec = _check(qkv, _randn(2, M, K), _randn(16, K, seed=1), _randn(16, K, seed=2), _randn(8, K, seed=3),
+                 stat="horizontal", options={"attention": False, **ALWAYS})
+    assert "'N': [16, 16, 8]" in rec.notes[0]
+    assert kpt_compiler.last_report().stages["pre_aot"].ops_after.get("linear") == 1
+
+
+def test_horizontal_fusion_steps_aside_when_a_view_would_break():
+    def two(x, w1, w2):  # merging the last two dims of a slice of the fused output is not a view
+        return F.linear(x, w1).view(-1) + F.linear(x, w2).view(-1)
+
+    q = _compile(two)(_randn(M, K), _randn(N, K, seed=1), _randn(N, K, seed=2))
+    assert q.shape == (M * N,)
+    assert kpt_compiler.last_report().pass_record("fusion").stats.get("horizontal", 0) == 0
+
+
+def test_conv_bn_folded_in_inference_only():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1, bias=False),
+                          nn.BatchNorm2d(4))
+    with torch.no_grad():
+        for bn in (model[1], model[4]):
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+            bn.weight.uniform_(0.5, 1.5)
+    x = _randn(2, 3, 9, 11)
+    model.eval()
+    out = _compile(model)(x)
+    assert relative_error(out, copy.deepcopy(model).double()(x.double())) < TOL
+    rec = kpt_compiler.last_report().pass_record("fusion")
+    assert rec.stats.get("conv_bn") == 2, rec.notes
+    assert "batch_norm" not in kpt_compiler.last_report().stages["pre_aot"].ops_after
+    torch._dynamo.reset()
+    model.train()  # batch statistics: nothing to fold
+    _compile(model)(x)
+    assert kpt_compiler.last_report().pass_record("fusion").stats.get("conv_bn", 0) == 0
+
+
+def test_on_the_cpu_the_cost_model_declines_and_says_why():
+    def mlp(x, wg, wu):
+        return F.silu(F.linear(x, wg)) * F.linear(x, wu)
+
+    x, wg, wu = _randn(M, K), _randn(N, K, seed=1), _randn(N, K, seed=2)
+    torch.testing.assert_close(_compile(mlp, {})(x, wg, wu), mlp(x, wg, wu))
+    rec = kpt_compiler.last_report().pass_record("fusion")
+    assert rec.matches == 0 and any("our kernels run their eager reference" in n for n in rec.notes), rec.notes
+
+
+def test_cost_model_and_the_measured_decision_cache(tmp_path, monkeypatch):
+    from kpt_compiler import profitability as p
+
+    monkeypatch.setenv("KPT_CACHE_DIR", str(tmp_path))
+    cuda = torch.device("cuda")
+    big = p.Candidate("horizontal", 8192, {"K": 1024}, torch.bfloat16, cuda, min_rows=2048)
+    small = dataclass_replace(big, rows=128)
+    assert p.decide("auto", big).rewrite and not p.decide("auto", small).rewrite
+    table = ((8192, 1024, 2816, 1.04), (8192, 4096, 14336, 0.84))  # calibrated: the nearest shape decides
+    near_win = dataclass_replace(big, mkn=(4096, 1024, 2048), calibration=table)
+    near_loss = dataclass_replace(big, mkn=(8192, 4096, 11008), calibration=table)
+    assert p.decide("auto", near_win).rewrite and not p.decide("auto", near_loss).rewrite
+    assert "1.04x over Inductor measured at M,K,N=8192,1024,2816" in p.decide("auto", near_win).why
+    p._store(p._key(small), {"rewrite": True, "ours_ms": 0.01, "inductor_ms": 0.02})  # as "measure" leaves it
+    d = p.decide("auto", small)
+    assert d.rewrite and "measured earlier" in d.why
+    assert p.decide("always", small).rewrite
+
+
+def dataclass_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def test_options_are_validated():
+    with pytest.raises(Exception, match="decide"):
+        _compile(lambda x: x + 1, {"fusion": {"decide": "sometimes"}})(torch.ones(2))
+
+
+def test_llama_block_training_matches_eager():
+    pytest.importorskip("transformers")
+    from kpt_compiler.models.zoo import build
+
+    torch.manual_seed(0)
+    model, make_inputs = build("llama", n_layer=1, hidden=32, heads=4, kv_heads=2)
+    model.train()
+    ref_model = copy.deepcopy(model).double()
+    (ids,) = make_inputs(2, 6, "cpu")
+    out = first_tensor(_compile(model)(ids))
+    ref = first_tensor(ref_model(ids))
+    assert relative_error(out, ref) < TOL
+    out.square().mean().backward()
+    ref.square().mean().backward()
+    for p, pr in zip(model.parameters(), ref_model.parameters()):
+        if pr.grad is not None:
+            assert relative_error(p.grad, pr.grad) < 1e-4
+    rec = kpt_compiler.last_report().pass_record("fusion")
+    assert rec.stats.get("gated") == 1 and rec.stats.get("horizontal") == 1 and rec.stats.get("norm") == 2, rec.notes

@@ -1,0 +1,139 @@
+"""kernels/gated_linear.py: act(x @ Wg^T) * (x @ Wu^T) in one Triton kernel (Triton's interpreter on the CPU).
+
+Numerics against the float64 reference at odd and round shapes and every activation; the kernel (not the
+eager fallback) must have run. Autograd, opcheck, torch.compile, bad input.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from kpt_compiler.kernels import gated_linear as gl  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not gl.use_kernel(torch.empty(0)):
+    pytest.skip("the kernel runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1 before import)",
+                allow_module_level=True)
+
+SHAPES = [(1, 16, 16), (9, 41, 33), (64, 48, 80), (130, 72, 40)]  # (M, N, K)
+# One rounding of a float32 result: fp16 is within half an ulp (2^-11 relative) of the float64 reference.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-4, 1e-3)}  # dtype: (atol, rtol)
+ACTIVATIONS = list(gl.ACTIVATIONS)
+
+
+def _inputs(M, N, K, dtype, batch=(), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*batch, M, K, generator=g)
+    w_gate = torch.randn(N, K, generator=g) / K ** 0.5
+    w_up = torch.randn(N, K, generator=g) / K ** 0.5
+    return [t.to(DEVICE, dtype) for t in (x, w_gate, w_up)]
+
+
+def _check_kernel_result(args, activation):
+    before = gl.launches["gated_linear"]
+    out = gl.gated_linear(*args, activation=activation)
+    assert gl.launches["gated_linear"] == before + 1, "the op did not run the Triton kernel"
+    ref = gl.reference(*[t.double() for t in args], activation=activation)
+    atol, rtol = TOLERANCES[args[0].dtype]
+    assert out.dtype == args[0].dtype and out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_float64_reference(shape, dtype, activation):
+    _check_kernel_result(_inputs(*shape, dtype), activation)
+
+
+def test_leading_batch_dims():
+    args = _inputs(5, 24, 40, torch.float32, batch=(2,))
+    assert args[0].shape == (2, 5, 40)
+    _check_kernel_result(args, "silu")
+
+
+def test_strided_inputs():
+    x, w_gate, w_up = _inputs(33, 24, 40, torch.float32)
+    both = torch.cat([w_gate, w_up])  # one [2N, K] weight, as a fused checkpoint stores it
+    x_s = torch.cat([x, x], dim=1)[:, ::2]  # stride 2 along K
+    _check_kernel_result([x_s, both[:24], both[24:].t().contiguous().t()], "gelu_tanh")
+
+
+def test_float64_and_no_interpreter_use_the_reference(monkeypatch):
+    x, w_gate, w_up = _inputs(9, 41, 33, torch.float64)
+    before = dict(gl.launches)
+    torch.testing.assert_close(gl.gated_linear(x, w_gate, w_up), gl.reference(x, w_gate, w_up))
+    if DEVICE == "cpu":
+        monkeypatch.setattr("kpt_compiler.kernels.linear_epilogue._INTERPRETED", False)
+        x, w_gate, w_up = _inputs(9, 41, 33, torch.float32)
+        torch.testing.assert_close(gl.gated_linear(x, w_gate, w_up), gl.reference(x, w_gate, w_up))
+    assert dict(gl.launches) == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("M", [3, 70])
+def test_every_autotune_config_left_after_pruning(M, dtype):
+    x, w_gate, w_up = _inputs(M, 300, 96, dtype)
+    configs = gl.prune_configs(gl.CONFIGS, {"M": M, "x_ptr": x})
+    assert configs and all(c.kwargs["BLOCK_M"] <= 64 if M <= 64 else c.kwargs["BLOCK_M"] >= 64 for c in configs)
+    ref = gl.reference(x.double(), w_gate.double(), w_up.double(), activation="silu")
+    atol, rtol = TOLERANCES[dtype]
+    for c in configs:
+        config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+        try:
+            out = gl._launch(x, w_gate, w_up, "silu", config=config)
+        except OutOfResources:  # on a GPU: the autotuner skips such a config too
+            continue
+        torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol, msg=lambda m: f"{config}: {m}")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gradients_match_autograd_on_the_reference(activation):
+    args = [t.requires_grad_() for t in _inputs(9, 41, 33, torch.float32, batch=(2,))]
+    gl.gated_linear(*args, activation=activation).square().sum().backward()
+    ref_args = [t.detach().double().requires_grad_() for t in args]
+    gl.reference(*ref_args, activation=activation).square().sum().backward()
+    for name, t, ref in zip(("x", "w_gate", "w_up"), args, ref_args):
+        torch.testing.assert_close(t.grad.double(), ref.grad, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gradcheck_float64(activation):
+    args = [t.requires_grad_() for t in _inputs(3, 5, 4, torch.float64, batch=(2,))]
+    assert torch.autograd.gradcheck(lambda *a: gl.gated_linear(*a, activation=activation), args)
+
+
+def test_opcheck():
+    args = [t.requires_grad_() for t in _inputs(9, 41, 33, torch.float32)]
+    torch.library.opcheck(torch.ops.kpt.gated_linear.default, (*args, "silu"))
+
+
+def test_torch_compile_aot_eager():
+    def fn(x, w_gate, w_up):
+        return gl.gated_linear(x, w_gate, w_up) + 1
+
+    args = _inputs(9, 41, 33, torch.float32, batch=(2,))
+    before = gl.launches["gated_linear"]
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(*args)
+    assert gl.launches["gated_linear"] > before
+    torch.testing.assert_close(out, fn(*args))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(w_gate=torch.randn(41, 32)), "w_gate: K mismatch"),
+    (dict(w_up=torch.randn(41, 34)), "w_up: K mismatch"),
+    (dict(w_up=torch.randn(40, 33)), "w_up: N mismatch"),
+    (dict(w_gate=torch.randn(33)), "w_gate: expected 2 dimensions"),
+    (dict(w_up=torch.randn(41, 33, dtype=torch.float64)), "w_up: dtype"),
+    (dict(activation="swiglu"), "activation: unknown 'swiglu'"),
+])
+def test_bad_input_names_what_is_wrong(change, message):
+    x, w_gate, w_up = _inputs(9, 41, 33, torch.float32)
+    kw = dict(x=x, w_gate=change.get("w_gate", w_gate), w_up=change.get("w_up", w_up),
+              activation=change.get("activation", "silu"))
+    kw = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    with pytest.raises(ValueError, match=message):
+        gl.gated_linear(**kw)
