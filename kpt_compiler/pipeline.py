@@ -173,7 +173,7 @@ def _load_builtin_passes() -> None:
 DEFAULT_PIPELINE: tuple[str, ...] = (
     # pre_aot: before AOTAutograd, so a rewrite's backward comes from its replacement's autograd formula
     "attention",  # first: it needs the softmax chain intact, before anything fuses parts of it
-    "fusion",  # after attention: the q/k/v projections it fuses feed the attention the first pass rewrote
+    "fusion",  # after attention, which needs the q/k/v projections' outputs as they were (off by default)
 )
 
 

@@ -142,7 +142,7 @@ def test_on_the_cpu_the_cost_model_declines_and_says_why():
         return F.silu(F.linear(x, wg)) * F.linear(x, wu)
 
     x, wg, wu = _randn(M, K), _randn(N, K, seed=1), _randn(N, K, seed=2)
-    torch.testing.assert_close(_compile(mlp, {})(x, wg, wu), mlp(x, wg, wu))
+    torch.testing.assert_close(_compile(mlp, {"fusion": True})(x, wg, wu), mlp(x, wg, wu))
     rec = kpt_compiler.last_report().pass_record("fusion")
     assert rec.matches == 0 and any("our kernels run their eager reference" in n for n in rec.notes), rec.notes
 
@@ -170,6 +170,11 @@ def dataclass_replace(obj, **changes):
     import dataclasses
 
     return dataclasses.replace(obj, **changes)
+
+
+def test_off_by_default():
+    _compile(lambda x, w: F.silu(F.linear(x, w)) * F.linear(x, w), {})(_randn(M, K), _randn(N, K))
+    assert kpt_compiler.last_report().pass_record("fusion").status == "disabled"
 
 
 def test_options_are_validated():
