@@ -237,7 +237,19 @@ def use_kernel(x: torch.Tensor) -> bool:
         return False
     if x.is_cuda:
         return not _INTERPRETED
-    return x.device.type == "cpu" and _INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"
+    # triton 3.5's interpreter fails on these kernels (a numpy scalar conversion); 3.6 and later run them
+    return x.device.type == "cpu" and _INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1" and \
+        INTERPRETER_OK
+
+
+def _interpreter_ok() -> bool:
+    try:
+        return tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
+    except (NameError, ValueError):
+        return False
+
+
+INTERPRETER_OK = HAVE_TRITON and _interpreter_ok()
 
 
 def check_activation(activation) -> None:

@@ -43,6 +43,8 @@ from kpt_compiler import torch_ir as ir
 from kpt_compiler.graph_utils import drop_unused
 from kpt_compiler.pipeline import PassContext, graph_pass
 
+# torch 2.9's fake tensors cannot trace torch.tensor(python floats) inside flex_sdpa (the ALiBi coefficients)
+BIAS_IN_FLEX = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
 _BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
@@ -434,6 +436,8 @@ def _rewrite(gm: fx.GraphModule, a: _Attention, ctx: PassContext, cache: dict) -
     # where FlexAttention cannot go.
     wants_flex = a.softcap is not None or kind == "window" or form.bias is not None
     flex_why = _flex_unsupported(a, kind, ctx) if wants_flex else "not needed"
+    if not flex_why and form.bias is not None and BIAS_IN_FLEX is False:
+        flex_why = "on torch < 2.11 (its tracer cannot build the bias coefficients in the graph)"
     if a.softcap is not None and flex_why:
         ctx.near_miss(f"{a.softmax.name}: soft-capped attention {flex_why}")
         return False
