@@ -64,14 +64,11 @@ class FusionOptions:
     decide: Literal["auto", "measure", "always"] = "auto"
 
 
-_ACTS = {"silu": "silu", "relu": "relu"}
-
-
 def _activation(node: Any) -> str | None:
     """The activation a node applies, in our kernels' names, or None."""
     k = ir.kind(node)
-    if k in _ACTS:
-        return _ACTS[k]
+    if k in ("silu", "relu"):
+        return k
     if k == "gelu":
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(ir.arg(node, "approximate", "none"))
     return None
@@ -370,6 +367,8 @@ def _horizontal(gm, x, ctx, how):  # linear(x, W1), linear(x, W2), ... -> split(
         wv = _val(w)
         if isinstance(w, fx.Node) and isinstance(wv, torch.Tensor) and wv.dim() == 2:
             groups.setdefault((wv.dtype, wv.shape[1], b is None), []).append(m)
+    if all(len(g) < 2 for g in groups.values()):
+        return False  # the common case (this runs for every node): no graph walk
     changed = False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for (dtype, K, no_bias), group in groups.items():

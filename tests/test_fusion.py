@@ -2,6 +2,7 @@
 the profitability decision, and the near misses. On this CPU machine our kernels run in Triton's interpreter."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -153,23 +154,17 @@ def test_cost_model_and_the_measured_decision_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("KPT_CACHE_DIR", str(tmp_path))
     cuda = torch.device("cuda")
     big = p.Candidate("horizontal", 8192, {"K": 1024}, torch.bfloat16, cuda, min_rows=2048)
-    small = dataclass_replace(big, rows=128)
+    small = dataclasses.replace(big, rows=128)
     assert p.decide("auto", big).rewrite and not p.decide("auto", small).rewrite
     table = ((8192, 1024, 2816, 1.04), (8192, 4096, 14336, 0.84))  # calibrated: the nearest shape decides
-    near_win = dataclass_replace(big, mkn=(4096, 1024, 2048), calibration=table)
-    near_loss = dataclass_replace(big, mkn=(8192, 4096, 11008), calibration=table)
+    near_win = dataclasses.replace(big, mkn=(4096, 1024, 2048), calibration=table)
+    near_loss = dataclasses.replace(big, mkn=(8192, 4096, 11008), calibration=table)
     assert p.decide("auto", near_win).rewrite and not p.decide("auto", near_loss).rewrite
     assert "1.04x over Inductor measured at M,K,N=8192,1024,2816" in p.decide("auto", near_win).why
     p._store(p._key(small), {"rewrite": True, "ours_ms": 0.01, "inductor_ms": 0.02})  # as "measure" leaves it
     d = p.decide("auto", small)
     assert d.rewrite and "measured earlier" in d.why
     assert p.decide("always", small).rewrite
-
-
-def dataclass_replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
 
 
 def test_off_by_default():
