@@ -192,6 +192,208 @@ _linear_epilogue_autotuned = triton.autotune(
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Hopper (and later): persistent kernel with tensor-memory-accelerator (TMA) loads and stores
+# ---------------------------------------------------------------------------------------------------------
+# The pointer kernel above tops out near 80% of cuBLAS on an H100: every program pays its prologue and
+# epilogue in turn, and address arithmetic competes with the tensor cores. This one is Triton's persistent
+# matmul tutorial with our epilogue: one program per SM walks the output tiles (grouped as above), tiles
+# move between global and shared memory through TMA descriptors (which also zero-fill reads and clip writes
+# past the edges, so no masks), and the pipelining is flattened over the tile and K loops, so the next
+# tile's loads overlap this tile's epilogue. EPILOGUE_SUBTILE stores the output in two halves, which frees
+# shared memory for a deeper pipeline. GATED computes act(x @ w^T) * (x @ w2^T) with two accumulators
+# (gated_linear's op); otherwise bias, activation and residual as above. The descriptors are built on the
+# host (``TensorDescriptor``; built on the device with ``tl.make_tensor_descriptor`` the kernel measured
+# slower on the H100, 2026-11-26). Building and encoding them costs tens of microseconds per launch, so the
+# op takes this kernel only for GEMMs large enough to hide that (``TMA_MIN_M`` rows), on a device with TMA
+# (compute capability 9.0 and up) and operands aligned for it (``tma_ok``); else the pointer kernel.
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # triton < 3.4, or no triton: the pointer kernel only
+    TensorDescriptor = None
+HAVE_TMA = HAVE_TRITON and TensorDescriptor is not None
+
+
+def _tma_block_shapes(nargs):
+    """Autotune pre-hook (and explicit configs): the descriptors' block shapes follow the config."""
+    BM, BN, BK = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    out_bn = BN // 2 if nargs["EPILOGUE_SUBTILE"] else BN
+    nargs["x_desc"].block_shape = [BM, BK]
+    nargs["w_desc"].block_shape = [BN, BK]
+    nargs["w2_desc"].block_shape = [BN, BK]
+    nargs["r_desc"].block_shape = [BM, out_bn]
+    nargs["out_desc"].block_shape = [BM, out_bn]
+
+
+def tma_config(BM, BN, BK, stages, warps, subtile, group=8):
+    return triton.Config({"BLOCK_M": BM, "BLOCK_N": BN, "BLOCK_K": BK, "GROUP_M": group, "EPILOGUE_SUBTILE": subtile},
+                         num_stages=stages, num_warps=warps, pre_hook=_tma_block_shapes)
+
+
+# From a sweep on the H100 (bf16; 128/64 x 64..256 x 64/128 tiles, 2-5 stages, 4/8 warps, subtiled or not):
+# 128x256x64 with 3 stages and a subtiled epilogue wins from about 1024 rows up (87-94% of cuBLAS at 4096 and
+# up); 64-row tiles win near 128 rows (more tiles than SMs); the gated kernel (two accumulators) is best at
+# 128x128x64, or 64x64x128 near 128 rows.
+TMA_CONFIGS = [
+    tma_config(128, 256, 64, 3, 8, True),
+    tma_config(128, 128, 64, 5, 8, True),
+    tma_config(128, 128, 64, 3, 8, True),  # gated
+    tma_config(128, 128, 64, 4, 8, True),  # gated
+    tma_config(64, 64, 64, 5, 4, False),  # ~128 rows
+    tma_config(64, 128, 64, 5, 4, False),
+    tma_config(64, 64, 128, 3, 8, True),  # gated, ~128 rows
+]
+# Below this many rows the pointer kernel: on the H100 the TMA kernel's launch (descriptors built and
+# encoded on the host) made it slower than the pointer kernel at 128 x 4096 x 4096 and no faster at
+# 8192 x 1024 x 2816 (bench_linear_epilogue, 2026-11-26)
+TMA_MIN_M = 1024
+TMA_MIN_MNK = 1 << 35  # and M * N * K at least this (4096^3 is 2^36)
+
+
+def prune_tma_configs(configs, named_args, **kwargs):
+    """Half the K step for float32 (twice the shared memory per tile); gated: at most 128 columns (two
+    float32 accumulators)."""
+    kept = configs
+    if {**named_args, **kwargs}.get("GATED"):
+        kept = [c for c in kept if c.kwargs["BLOCK_N"] <= 128]
+    if named_args["x_desc"].base.element_size() == 4:
+        kept = [tma_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(16, c.kwargs["BLOCK_K"] // 2), c.num_stages,
+                           c.num_warps, c.kwargs["EPILOGUE_SUBTILE"]) for c in kept]
+    return kept or configs
+
+
+@triton.jit
+def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of a linear tile index, in groups of GROUP_M tile rows (as grouped_tile)."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile_id % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gemm_tma_kernel(
+    # descriptors: x [M, K], w and w2 [N, K], residual and out [M, N]; bias pointer [N]
+    x_desc, w_desc, w2_desc, r_desc, out_desc, bias_ptr,
+    M, N, K,
+    # meta
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, NUM_SMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE_SUBTILE: tl.constexpr,
+):
+    start_pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    # the epilogue recomputes its tile from its own counter, so it does not depend on the loop's prologue
+    # (the flattened software pipeline overlaps the next tile's loads with this epilogue)
+    tile_id_c = start_pid - NUM_SMS
+    for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
+        pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if GATED:
+            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            x = x_desc.load([off_m, off_k])  # loaded once, used by both products when gated
+            acc = tl.dot(x, w_desc.load([off_n, off_k]).T, acc, input_precision=INPUT_PRECISION)
+            if GATED:
+                acc2 = tl.dot(x, w2_desc.load([off_n, off_k]).T, acc2, input_precision=INPUT_PRECISION)
+
+        tile_id_c += NUM_SMS
+        pid_m, pid_n = _tile_of(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        # epilogue in float32, one rounding at the store
+        if GATED:
+            acc = apply_activation(acc, ACTIVATION) * acc2
+        else:
+            if HAS_BIAS:
+                cols = off_n + tl.arange(0, BLOCK_N)
+                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            acc = apply_activation(acc, ACTIVATION)
+        if EPILOGUE_SUBTILE:
+            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            off_n1 = off_n + BLOCK_N // 2
+            if HAS_RESIDUAL:
+                acc0 += r_desc.load([off_m, off_n]).to(tl.float32)
+                acc1 += r_desc.load([off_m, off_n1]).to(tl.float32)
+            out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
+            out_desc.store([off_m, off_n1], acc1.to(out_desc.dtype))
+        else:
+            if HAS_RESIDUAL:
+                acc += r_desc.load([off_m, off_n]).to(tl.float32)
+            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+# the key names the constexprs that change the best config (Triton keys on M, N, K and tensor dtypes only;
+# descriptors are not tensors, bias_ptr carries the dtype)
+_gemm_tma_autotuned = triton.autotune(
+    configs=TMA_CONFIGS, key=["M", "N", "K", "GATED", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION"],
+    prune_configs_by={"early_config_prune": prune_tma_configs},
+)(_gemm_tma_kernel)
+
+
+def use_tma(M: int, N: int, K: int) -> bool:
+    """Whether the GEMM is large enough for the TMA kernel (see TMA_MIN_M)."""
+    return M >= TMA_MIN_M and M * N * K >= TMA_MIN_MNK
+
+
+def tma_ok(*tensors) -> bool:
+    """Whether the TMA kernel can run on these 2-D CUDA tensors (None skipped): a device with TMA (compute
+    capability 9.0 and up), unit last stride, 16-byte aligned base and row stride. (The CPU's interpreter runs
+    the TMA kernel too, but only when a test calls ``launch_tma``: the op runs the pointer kernel there.)"""
+    if not HAVE_TMA or _INTERPRETED:
+        return False
+    for t in tensors:
+        if t is None:
+            continue
+        if not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] < 9:
+            return False
+        if t.dim() != 2 or t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    return True
+
+
+def launch_tma(x2, w, w2, bias, res2, activation: str, config: Optional[dict] = None,
+               num_sms: Optional[int] = None, out: Optional[torch.Tensor] = None):
+    """The persistent TMA kernel: out [M, N] (linear_epilogue's or, with w2, gated_linear's); inputs checked
+    and ``tma_ok``. ``config`` (a ``tma_config``'s kwargs plus num_warps and num_stages) skips the autotuner;
+    ``num_sms`` sets the persistent grid (tests in the interpreter use a small one)."""
+    from .rms_norm import sm_count
+
+    M, K = x2.shape
+    N = w.shape[0]
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if out is None else out
+    if M == 0 or N == 0:
+        return out
+    dummy = [1, 1]  # block shapes are set per config (pre-hook, or below)
+    descs = [TensorDescriptor.from_tensor(t, dummy) for t in (x2, w, w2 if w2 is not None else w,
+                                                              res2 if res2 is not None else out, out)]
+    num_sms = num_sms or (sm_count(x2.device) if x2.is_cuda else 2)
+    meta = dict(GATED=w2 is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None,
+                ACTIVATION=activation, INPUT_PRECISION=input_precision(x2.dtype), NUM_SMS=num_sms)
+    args = (*descs, bias if bias is not None else out, M, N, K)
+
+    def grid(meta):
+        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    if config is None:
+        _gemm_tma_autotuned[grid](*args, **meta)
+    else:
+        _tma_block_shapes({**config, "x_desc": descs[0], "w_desc": descs[1], "w2_desc": descs[2],
+                           "r_desc": descs[3], "out_desc": descs[4]})
+        _gemm_tma_kernel[grid(config)](*args, **meta, **config)
+    launches["tma"] += 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------------------
 def input_precision(dtype: torch.dtype) -> str:
@@ -223,7 +425,9 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None, ACTIVATION=activation,
                 INPUT_PRECISION=input_precision(x2.dtype))
     config = config or (None if x2.is_cuda else INTERPRETER_META)
-    if config is None:
+    if config is None and use_tma(M, N, K) and tma_ok(x2, weight, res2, out):
+        launch_tma(x2, weight, None, bias_arg if bias is not None else None, res2, activation, out=out)
+    elif config is None:
         _linear_epilogue_autotuned[launch_grid(M, N)](*args, **meta)
     else:
         _linear_epilogue_kernel[launch_grid(M, N)(config)](*args, **meta, **config)

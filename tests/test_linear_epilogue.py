@@ -164,3 +164,48 @@ def test_bad_input_names_what_is_wrong(change, message):
     kw = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
     with pytest.raises(ValueError, match=message):
         le.linear_epilogue(**kw)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The persistent TMA kernel (Hopper's path for M >= TMA_MIN_M), run here directly in the interpreter with a
+# small persistent grid, so each program walks several tiles; on a GPU, tests/gpu covers the op's dispatch.
+# ---------------------------------------------------------------------------------------------------------
+TMA_SHAPES = [(70, 48, 40), (33, 80, 72), (128, 64, 16)]  # (M, N, K); rows 16-byte aligned for TMA
+
+
+@pytest.mark.parametrize("subtile", [False, True], ids=["whole", "subtile"])
+@pytest.mark.parametrize("activation, bias, residual", [("gelu_tanh", True, True), ("none", False, False),
+                                                        ("relu", False, True), ("silu", True, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", TMA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_tma_kernel_matches_float64_reference(shape, dtype, activation, bias, residual, subtile):
+    x, w, b, r = _inputs(*shape, dtype, bias=bias, residual=residual)
+    config = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=subtile)
+    before = le.launches["tma"]
+    out = le.launch_tma(x, w, None, b, r, activation, config=config, num_sms=3)
+    assert le.launches["tma"] == before + 1
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), le.reference(*_double(x, w, b, r), activation=activation),
+                               atol=atol, rtol=rtol)
+
+
+def test_tma_configs_pruned_for_gated_and_float32():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    for dtype in (torch.float16, torch.float32):
+        desc = TensorDescriptor.from_tensor(torch.empty(64, 64, dtype=dtype), [1, 1])
+        for gated in (False, True):
+            kept = le.prune_tma_configs(le.TMA_CONFIGS, {"x_desc": desc, "M": 4096}, GATED=gated)
+            assert kept and (not gated or all(c.kwargs["BLOCK_N"] <= 128 for c in kept))
+            assert gated or any(c.kwargs["BLOCK_N"] == 256 for c in kept)
+            full = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]): c.kwargs["BLOCK_K"] for c in le.TMA_CONFIGS}
+            for c in kept:  # float32 tiles take twice the shared memory: half the K step
+                assert c.kwargs["BLOCK_K"] <= full[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]] // (2 if dtype == torch.float32 else 1)
+
+
+def test_tma_not_used_off_hopper_or_unaligned():
+    x = torch.empty(128, 64)
+    assert not le.tma_ok(x)  # CPU tensors: the op runs the pointer kernel (or the reference)
+    if torch.cuda.is_available():
+        xc = torch.empty(128, 63, device="cuda", dtype=torch.float16)  # 126-byte rows: not 16-byte aligned
+        assert not le.tma_ok(xc)

@@ -145,3 +145,45 @@ def test_inside_inductor_on_cuda(mode):
             for _ in range(3):
                 out = compiled(x, *params)
     assert relative_error(out, ref) < 1e-2
+
+
+def test_hopper_takes_the_tma_kernel_for_large_gemms():
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    K = N = 8192
+    for M, expect in ((le.TMA_MIN_M, 1), (le.TMA_MIN_M - 1, 0), (8192, 1)):
+        assert le.use_tma(M, N, K) == bool(expect)
+        before = le.launches["tma"]
+        le.linear_epilogue(*_linear_inputs(M, K, N))
+        gl.gated_linear(*_gated_inputs(M, K, N))
+        assert le.launches["tma"] == before + 2 * expect
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["linear", "gated"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_tma_config(dtype, gated):
+    """Each config the autotuner may pick (after pruning), at an odd size (edge tiles, K tail)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    from triton.runtime.errors import OutOfResources
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K, N = 1000, 1000, 1032
+    if gated:
+        x, w, w2 = _gated_inputs(M, K, N, dtype=dtype)
+        b = r = None
+        ref = gl.reference(*_float(x, w, w2))
+    else:
+        (x, w, b, r), w2 = _linear_inputs(M, K, N, dtype=dtype), None
+        ref = le.reference(*_float(x, w, b, r), activation="gelu_tanh")
+    desc = TensorDescriptor.from_tensor(x, [1, 1])
+    ran = 0
+    for c in le.prune_tma_configs(le.TMA_CONFIGS, {"x_desc": desc}, GATED=gated):
+        config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+        try:
+            out = le.launch_tma(x, w, w2, b, r, "silu" if gated else "gelu_tanh", config=config)
+        except OutOfResources:  # the autotuner skips such a config too
+            continue
+        ran += 1
+        assert relative_error(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3), config
+    assert ran >= 2
