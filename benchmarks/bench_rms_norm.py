@@ -10,6 +10,8 @@ with upstream gradients on both y and h), it times in one run on one card:
   - inductor: ``torch.compile`` (Inductor, default mode) of the unfused code.
 GB/s counts the bytes the work needs, the same for all three: forward reads x, residual, weight and writes h,
 y; backward reads dy, dh, h, weight, rstd and writes dx and the fp32 weight-gradient partials of our grid.
+Times are CUDA-graph replays (``timing_ms(..., cuda_graph=True)``): the kernels' device time without the
+host's launch costs, which at small shapes (and for autograd's backward at every shape) would time Python.
 "% copy" is ours against the device-to-device copy bandwidth measured in the same run
 (benchmarks.ceilings.copy_bandwidth); the target is >= 80% at the large shapes. ``--out DIR`` writes
 bench_rms_norm.json and bench_rms_norm.md; the markdown table is printed last.
@@ -71,7 +73,7 @@ def time_case(impls: dict, make_inputs, fwd_bytes: int, bwd_bytes: int, rep_ms: 
     leaves = make_inputs()
     with torch.no_grad():
         ref_y = impls["eager"](*[t.float() if t is not None else None for t in leaves])[0]
-    rows = []
+    rows, launch_timed = [], []
     for mode in ("forward", "forward+backward"):
         times, errors = {}, {}
         for name, fn in impls.items():
@@ -87,6 +89,7 @@ def time_case(impls: dict, make_inputs, fwd_bytes: int, bwd_bytes: int, rep_ms: 
                 wrt = [t for t in inputs if t is not None]
                 y, h = fn(*inputs)
                 dy, dh = torch.randn_like(y), torch.randn_like(h)
+                del y, h  # no autograd graph may outlive this call: CUDA-graph capture runs on its own stream
 
                 def step(fn=fn, inputs=inputs, wrt=wrt, dy=dy, dh=dh):
                     y, h = fn(*inputs)
@@ -94,12 +97,20 @@ def time_case(impls: dict, make_inputs, fwd_bytes: int, bwd_bytes: int, rep_ms: 
             out = step()
             if mode == "forward":
                 errors[name] = relative_error(out[0], ref_y)
-            times[name] = median_ms(step, "cuda", rep_ms=rep_ms)
+            try:
+                times[name] = median_ms(step, "cuda", rep_ms=rep_ms, cuda_graph=True)
+            except RuntimeError as e:  # capture refused: time with the launches (the row says so)
+                print(f"warning: {name} {mode}: CUDA-graph timing failed ({str(e).splitlines()[0]}); "
+                      "timing with launch costs", file=sys.stderr)
+                torch.cuda.synchronize()
+                times[name] = median_ms(step, "cuda", rep_ms=rep_ms)
+                launch_timed.append(f"{name} {mode}")
         nbytes = fwd_bytes + (bwd_bytes if mode != "forward" else 0)
         rows.append({"mode": mode, "ms": times, "gbps": {n: nbytes / t / 1e6 for n, t in times.items()},
                      "bytes": nbytes, "rel_err_y": errors or None,
                      "ours_vs_inductor": times["inductor"] / times["ours"],
-                     "ours_vs_eager": times["eager"] / times["ours"]})
+                     "ours_vs_eager": times["eager"] / times["ours"],
+                     "timed_with_launches": [t for t in launch_timed if t.endswith(mode)]})
     return rows
 
 
@@ -117,7 +128,11 @@ def markdown(title: str, command: str, rows: list[dict], copy_tbps: float, label
                      f"{g['ours']:.0f} | {g['ours'] / (copy_tbps * 1000):.0%} | {g['eager']:.0f} | "
                      f"{g['inductor']:.0f} | {r['ours_vs_inductor']:.2f}x | {r['ours_vs_eager']:.2f}x | {err} |")
     lines += ["", "GB/s counts the bytes the work needs (the same for all three; see the script's docstring); "
-              "forward+backward times both passes and counts both passes' bytes."]
+              "forward+backward times both passes and counts both passes' bytes. Times are CUDA-graph replays "
+              "(device time, no launch costs)."]
+    fallback = [f"{r['shape'][0]}x{r['shape'][1]} {r['variant']} {t}" for r in rows for t in r.get("timed_with_launches", ())]
+    if fallback:
+        lines.append("Timed with launch costs (capture failed): " + "; ".join(fallback) + ".")
     return "\n".join(lines)
 
 

@@ -31,11 +31,18 @@ class Timing(NamedTuple):
 
 
 def timing_ms(fn: Callable[[], Any], device: str, *, warmup_ms: float = 100, rep_ms: float = 500,
-              min_reps: int = 5) -> Timing:
-    """Time one call of ``fn``: median, 20th and 80th percentile in milliseconds."""
+              min_reps: int = 5, cuda_graph: bool = False) -> Timing:
+    """Time one call of ``fn``: median, 20th and 80th percentile in milliseconds.
+
+    ``cuda_graph`` (CUDA only): capture ``fn`` in a CUDA graph and time its replays
+    (``triton.testing.do_bench_cudagraph``), which leaves out the host's launch costs: the device time of
+    the kernels, for kernel benchmarks whose small shapes would otherwise time Python."""
     if device == "cuda":
         import triton.testing
 
+        if cuda_graph:
+            median, p20, p80 = triton.testing.do_bench_cudagraph(fn, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
+            return Timing(float(median), float(p20), float(p80))
         median, p20, p80 = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
         return Timing(float(median), float(p20), float(p80))
     start = time.perf_counter()
@@ -65,9 +72,9 @@ def copy_bandwidth(nbytes: int = 1 << 30, device: str = "cuda") -> float:
 
 
 def median_ms(fn: Callable[[], Any], device: str, *, warmup_ms: float = 100, rep_ms: float = 500,
-              min_reps: int = 5) -> float:
+              min_reps: int = 5, cuda_graph: bool = False) -> float:
     """Median time of one call of ``fn`` in milliseconds."""
-    return timing_ms(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps).median
+    return timing_ms(fn, device, warmup_ms=warmup_ms, rep_ms=rep_ms, min_reps=min_reps, cuda_graph=cuda_graph).median
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
