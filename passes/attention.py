@@ -385,8 +385,8 @@ def _linear_bias(bias: torch.Tensor, allowed: torch.Tensor | None, heads: int):
         rows, cols = max(rows, ok.shape[-2]), max(cols, ok.shape[-1])
     if rows * cols > 1 << 24:
         return None
-    i = torch.arange(rows, dtype=torch.float64)[:, None].expand(rows, cols)
-    j = torch.arange(cols, dtype=torch.float64)[None, :].expand(rows, cols)
+    i = torch.arange(rows, dtype=torch.float64)[:, None]
+    j = torch.arange(cols, dtype=torch.float64)[None, :]
     ok = torch.ones(rows, cols, dtype=torch.bool) if ok is None else ok.expand(rows, cols)
     where = ok.nonzero()
     if len(where) == 0:
@@ -395,13 +395,20 @@ def _linear_bias(bias: torch.Tensor, allowed: torch.Tensor | None, heads: int):
     eps = torch.finfo(bias.dtype).eps
     coefficients = []
     for h in range(b.shape[0]):
-        bh = b[h].double().expand(rows, cols)
-        x = torch.stack([j[sample[:, 0], sample[:, 1]], i[sample[:, 0], sample[:, 1]],
-                         torch.ones(len(sample), dtype=torch.float64)], -1)
-        fit = torch.linalg.lstsq(x, bh[sample[:, 0], sample[:, 1]].unsqueeze(-1), driver="gelsd")
+        x = torch.stack([sample[:, 1].double(), sample[:, 0].double(), torch.ones(len(sample), dtype=torch.float64)], -1)
+        y = b[h].expand(rows, cols)[sample[:, 0], sample[:, 1]].double()
+        # weighted by 1 / |value|: a low-precision bias is rounded relative to its size, so large entries
+        # (far from the diagonal, rounded by up to 8 in bfloat16 at 4096 positions) must not pull the fit
+        weight = 1 / y.abs().clamp_min(max(1e-3 * y.abs().max().item(), 1e-30))
+        fit = torch.linalg.lstsq(x * weight[:, None], (y * weight).unsqueeze(-1), driver="gelsd")
         a_h, b_h, c_h = fit.solution.squeeze(-1).tolist()
-        expected = (a_h * j + b_h * i + c_h).to(bias.dtype).double()
-        if not torch.allclose(expected[ok], bh[ok], rtol=2 * eps, atol=2 * eps):
+        # checked at every allowed entry, in float32 for 16-bit biases (its rounding is far below theirs):
+        # |expected - bias| <= 2 eps (|bias| + 1), with no boolean indexing (16M entries per head at 4096)
+        compute = torch.float64 if bias.dtype.itemsize > 2 else torch.float32
+        expected = torch.add(j.to(compute) * a_h, i.to(compute), alpha=b_h).add_(c_h).to(bias.dtype).to(compute)
+        actual = b[h].to(compute).expand(rows, cols)
+        excess = expected.sub_(actual).abs_().sub_(actual.abs().add_(1).mul_(2 * eps))
+        if bool((excess > 0).logical_and_(ok).any()):
             return None  # not linear in the positions: a learned relative-position table, say
         coefficients.append((a_h, b_h, c_h))
     return tuple(coefficients * heads if len(coefficients) == 1 else coefficients)

@@ -452,3 +452,24 @@ def test_transformers_mpt_alibi_goes_to_flex_attention():
         return
     # MPT builds slope_h * (j - S + 1) from arange and masks the upper triangle: both folded into FlexAttention
     assert rec.matches == 2 and rec.stats.get("linear_bias") == 2 and rec.stats.get("causal") == 2, rec.notes
+
+
+def test_linear_bias_fit_survives_bfloat16_rounding_at_long_sequences():
+    """At 4096 positions bfloat16 rounds ALiBi's far entries by up to 8: an unweighted least-squares fit was
+    pulled off by them and refused the bias (the bench's 8x16x4096x128 case fell back to a dense mask)."""
+    from passes.attention import _linear_bias
+
+    L, slopes = 4096, torch.tensor([2 ** -0.5, 2 ** -1.5])
+    i = torch.arange(L)
+    bias = (slopes.view(-1, 1, 1) * (i[None, :] - i[:, None])).to(torch.bfloat16)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    fit = _linear_bias(bias, causal, heads=2)
+    assert fit is not None
+    for (a, b, c), slope in zip(fit, slopes.tolist()):
+        assert abs(a - slope) < 1e-4 * slope and abs(b + slope) < 1e-4 * slope and abs(c) < 1e-2
+    off = bias.clone()
+    off[1, 3000, 10] += 64  # far beyond bfloat16's rounding of that entry (about 1000, rounded by 4)
+    assert _linear_bias(off, causal, heads=2) is None
+    off = bias.clone()
+    off[0, 0, 1] = 5.0  # above the diagonal: masked, so it does not matter
+    assert _linear_bias(off, causal, heads=2) is not None
