@@ -51,7 +51,7 @@ def main(argv=None) -> int:
             "eager": lambda: unfused(x, w_gate, w_up),
             "inductor": lambda: inductor(x, w_gate, w_up),
         })
-        config = best_config(le._gemm_tma_autotuned if M >= le.TMA_MIN_M else gl._gated_linear_autotuned)
+        config = best_config(le._gemm_tma_autotuned if le.use_tma(M, N, K) else gl._gated_linear_autotuned)
         ref = unfused(x.float(), w_gate.float(), w_up.float())
         flop = 2 * 2 * M * N * K
         row = {"shape": [M, K, N], "ms": times, "tflops": {n: flop / t / 1e9 for n, t in times.items()},

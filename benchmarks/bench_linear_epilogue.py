@@ -136,7 +136,7 @@ def main(argv=None) -> int:
             "inductor": lambda: inductor(x, w, b, r),
             "ours": lambda: le.linear_epilogue(x, w, b, r, act),  # last: its config is the autotuner's last choice
         })
-        config = best_config(le._gemm_tma_autotuned if M >= le.TMA_MIN_M else le._linear_epilogue_autotuned)
+        config = best_config(le._gemm_tma_autotuned if le.use_tma(M, N, K) else le._linear_epilogue_autotuned)
         ref = unfused(x.float(), w.float(), b.float(), r.float())
         flop = 2 * M * N * K
         row = {"shape": [M, K, N], "ms": times, "tflops": {n: flop / t / 1e9 for n, t in times.items()},

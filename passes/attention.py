@@ -333,7 +333,8 @@ def _mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, 
     allowed, bias = None, None
     for how, m, fill in masks:
         if m not in cache:
-            cache[m] = ir.evaluate(gm, m)
+            # up to 2^28 entries: an ALiBi bias [16 heads, 4096, 4096] is fitted too (larger stays a dense mask)
+            cache[m] = ir.evaluate(gm, m, max_elements=1 << 28)
         val = cache[m]
         if val is None:
             return _MaskForm("tensor")
@@ -374,7 +375,11 @@ def _linear_bias(bias: torch.Tensor, allowed: torch.Tensor | None, heads: int):
     wherever attention is allowed, or None. Batch dims must not matter; heads come third from last."""
     if bias.dim() > 3 and any(s != 1 for s in bias.shape[:-3]):
         return None
-    bias, allowed = bias.cpu(), allowed.cpu() if allowed is not None else None  # evaluated where the model lives
+    # evaluated where the model lives: checked there on CUDA (16M entries per head at 4096 positions), else on
+    # a CPU copy; the least-squares fit itself runs on the CPU (its gelsd driver has no CUDA kernel)
+    if bias.device.type not in ("cpu", "cuda"):
+        bias, allowed = bias.cpu(), allowed.cpu() if allowed is not None else None
+    device = bias.device
     b = bias.reshape(*([1] * max(0, 3 - bias.dim())), *bias.shape[-3:])
     if b.shape[0] not in (1, heads):
         return None
@@ -385,18 +390,19 @@ def _linear_bias(bias: torch.Tensor, allowed: torch.Tensor | None, heads: int):
         rows, cols = max(rows, ok.shape[-2]), max(cols, ok.shape[-1])
     if rows * cols > 1 << 24:
         return None
-    i = torch.arange(rows, dtype=torch.float64)[:, None]
-    j = torch.arange(cols, dtype=torch.float64)[None, :]
-    ok = torch.ones(rows, cols, dtype=torch.bool) if ok is None else ok.expand(rows, cols)
+    compute = torch.float64 if bias.dtype.itemsize > 2 else torch.float32  # see the check below
+    i = torch.arange(rows, dtype=compute, device=device)[:, None]
+    j = torch.arange(cols, dtype=compute, device=device)[None, :]
+    ok = torch.ones(rows, cols, dtype=torch.bool, device=device) if ok is None else ok.to(device).expand(rows, cols)
     where = ok.nonzero()
     if len(where) == 0:
         return None
     sample = where[:: max(1, len(where) // 4096)]  # fit on a sample, check everywhere
     eps = torch.finfo(bias.dtype).eps
     coefficients = []
+    x = torch.stack([sample[:, 1], sample[:, 0], torch.ones_like(sample[:, 0])], -1).cpu().double()
     for h in range(b.shape[0]):
-        x = torch.stack([sample[:, 1].double(), sample[:, 0].double(), torch.ones(len(sample), dtype=torch.float64)], -1)
-        y = b[h].expand(rows, cols)[sample[:, 0], sample[:, 1]].double()
+        y = b[h].expand(rows, cols)[sample[:, 0], sample[:, 1]].cpu().double()
         # weighted by 1 / |value|: a low-precision bias is rounded relative to its size, so large entries
         # (far from the diagonal, rounded by up to 8 in bfloat16 at 4096 positions) must not pull the fit
         weight = 1 / y.abs().clamp_min(max(1e-3 * y.abs().max().item(), 1e-30))
@@ -404,8 +410,7 @@ def _linear_bias(bias: torch.Tensor, allowed: torch.Tensor | None, heads: int):
         a_h, b_h, c_h = fit.solution.squeeze(-1).tolist()
         # checked at every allowed entry, in float32 for 16-bit biases (its rounding is far below theirs):
         # |expected - bias| <= 2 eps (|bias| + 1), with no boolean indexing (16M entries per head at 4096)
-        compute = torch.float64 if bias.dtype.itemsize > 2 else torch.float32
-        expected = torch.add(j.to(compute) * a_h, i.to(compute), alpha=b_h).add_(c_h).to(bias.dtype).to(compute)
+        expected = torch.add(j * a_h, i, alpha=b_h).add_(c_h).to(bias.dtype).to(compute)
         actual = b[h].to(compute).expand(rows, cols)
         excess = expected.sub_(actual).abs_().sub_(actual.abs().add_(1).mul_(2 * eps))
         if bool((excess > 0).logical_and_(ok).any()):
