@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from .linear_epilogue import (ACTIVATIONS, HAVE_TRITON, INTERPRETER_META, activation_backward,
                               apply_activation, check_activation, grouped_tile, input_precision,
-                              launch_grid, launch_tma, prune_configs, tma_ok, use_kernel, use_tma)
+                              launch_grid, prune_configs, use_kernel)
 
 if HAVE_TRITON:
     import triton
@@ -135,9 +135,7 @@ def _launch(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activati
             w_up.stride(0), w_up.stride(1), out.stride(0), out.stride(1))
     meta = dict(ACTIVATION=activation, INPUT_PRECISION=input_precision(x2.dtype))
     config = config or (None if x2.is_cuda else INTERPRETER_META)
-    if config is None and use_tma(M, N, K) and tma_ok(x2, w_gate, w_up, out):
-        launch_tma(x2, w_gate, w_up, None, None, activation, out=out)
-    elif config is None:
+    if config is None:
         _gated_linear_autotuned[launch_grid(M, N)](*args, **meta)
     else:
         _gated_linear_kernel[launch_grid(M, N)(config)](*args, **meta, **config)

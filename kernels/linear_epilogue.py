@@ -200,8 +200,8 @@ _linear_epilogue_autotuned = triton.autotune(
 # move between global and shared memory through TMA descriptors (which also zero-fill reads and clip writes
 # past the edges, so no masks), and the pipelining is flattened over the tile and K loops, so the next
 # tile's loads overlap this tile's epilogue. EPILOGUE_SUBTILE stores the output in two halves, which frees
-# shared memory for a deeper pipeline. GATED computes act(x @ w^T) * (x @ w2^T) with two accumulators
-# (gated_linear's op); otherwise bias, activation and residual as above. The descriptors are built on the
+# shared memory for a deeper pipeline. (gated_linear keeps its pointer kernel: a gated form of this one, with
+# two accumulators, measured 2-5% slower than it on the H100.) The descriptors are built on the
 # host (``TensorDescriptor``; built on the device with ``tl.make_tensor_descriptor`` the kernel measured
 # slower on the H100, 2026-11-26). Building and encoding them costs tens of microseconds per launch, so the
 # op takes this kernel only for GEMMs large enough to hide that (``TMA_MIN_M`` rows), on a device with TMA
@@ -219,7 +219,6 @@ def _tma_block_shapes(nargs):
     out_bn = BN // 2 if nargs["EPILOGUE_SUBTILE"] else BN
     nargs["x_desc"].block_shape = [BM, BK]
     nargs["w_desc"].block_shape = [BN, BK]
-    nargs["w2_desc"].block_shape = [BN, BK]
     nargs["r_desc"].block_shape = [BM, out_bn]
     nargs["out_desc"].block_shape = [BM, out_bn]
 
@@ -231,16 +230,12 @@ def tma_config(BM, BN, BK, stages, warps, subtile, group=8):
 
 # From a sweep on the H100 (bf16; 128/64 x 64..256 x 64/128 tiles, 2-5 stages, 4/8 warps, subtiled or not):
 # 128x256x64 with 3 stages and a subtiled epilogue wins from about 1024 rows up (87-94% of cuBLAS at 4096 and
-# up); 64-row tiles win near 128 rows (more tiles than SMs); the gated kernel (two accumulators) is best at
-# 128x128x64, or 64x64x128 near 128 rows.
+# up); the others are the runners-up, with more tiles per SM for narrower outputs.
 TMA_CONFIGS = [
     tma_config(128, 256, 64, 3, 8, True),
     tma_config(128, 128, 64, 5, 8, True),
-    tma_config(128, 128, 64, 3, 8, True),  # gated
-    tma_config(128, 128, 64, 4, 8, True),  # gated
-    tma_config(64, 64, 64, 5, 4, False),  # ~128 rows
+    tma_config(128, 128, 64, 4, 4, True),
     tma_config(64, 128, 64, 5, 4, False),
-    tma_config(64, 64, 128, 3, 8, True),  # gated, ~128 rows
 ]
 # Below this many rows the pointer kernel: on the H100 the TMA kernel's launch (descriptors built and
 # encoded on the host) made it slower than the pointer kernel at 128 x 4096 x 4096 and no faster at
@@ -250,11 +245,8 @@ TMA_MIN_MNK = 1 << 35  # and M * N * K at least this (4096^3 is 2^36)
 
 
 def prune_tma_configs(configs, named_args, **kwargs):
-    """Half the K step for float32 (twice the shared memory per tile); gated: at most 128 columns (two
-    float32 accumulators)."""
+    """Half the K step for float32 (twice the shared memory per tile)."""
     kept = configs
-    if {**named_args, **kwargs}.get("GATED"):
-        kept = [c for c in kept if c.kwargs["BLOCK_N"] <= 128]
     if named_args["x_desc"].base.element_size() == 4:
         kept = [tma_config(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], max(16, c.kwargs["BLOCK_K"] // 2), c.num_stages,
                            c.num_warps, c.kwargs["EPILOGUE_SUBTILE"]) for c in kept]
@@ -274,11 +266,11 @@ def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gemm_tma_kernel(
-    # descriptors: x [M, K], w and w2 [N, K], residual and out [M, N]; bias pointer [N]
-    x_desc, w_desc, w2_desc, r_desc, out_desc, bias_ptr,
+    # descriptors: x [M, K], w [N, K], residual and out [M, N]; bias pointer [N]
+    x_desc, w_desc, r_desc, out_desc, bias_ptr,
     M, N, K,
     # meta
-    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, ACTIVATION: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr,
@@ -296,27 +288,20 @@ def _gemm_tma_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if GATED:
-            acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
-            x = x_desc.load([off_m, off_k])  # loaded once, used by both products when gated
+            x = x_desc.load([off_m, off_k])
             acc = tl.dot(x, w_desc.load([off_n, off_k]).T, acc, input_precision=INPUT_PRECISION)
-            if GATED:
-                acc2 = tl.dot(x, w2_desc.load([off_n, off_k]).T, acc2, input_precision=INPUT_PRECISION)
 
         tile_id_c += NUM_SMS
         pid_m, pid_n = _tile_of(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         # epilogue in float32, one rounding at the store
-        if GATED:
-            acc = apply_activation(acc, ACTIVATION) * acc2
-        else:
-            if HAS_BIAS:
-                cols = off_n + tl.arange(0, BLOCK_N)
-                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-            acc = apply_activation(acc, ACTIVATION)
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        acc = apply_activation(acc, ACTIVATION)
         if EPILOGUE_SUBTILE:
             acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
             off_n1 = off_n + BLOCK_N // 2
@@ -334,7 +319,7 @@ def _gemm_tma_kernel(
 # the key names the constexprs that change the best config (Triton keys on M, N, K and tensor dtypes only;
 # descriptors are not tensors, bias_ptr carries the dtype)
 _gemm_tma_autotuned = triton.autotune(
-    configs=TMA_CONFIGS, key=["M", "N", "K", "GATED", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION"],
+    configs=TMA_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION"],
     prune_configs_by={"early_config_prune": prune_tma_configs},
 )(_gemm_tma_kernel)
 
@@ -360,10 +345,9 @@ def tma_ok(*tensors) -> bool:
     return True
 
 
-def launch_tma(x2, w, w2, bias, res2, activation: str, config: Optional[dict] = None,
+def launch_tma(x2, w, bias, res2, activation: str, config: Optional[dict] = None,
                num_sms: Optional[int] = None, out: Optional[torch.Tensor] = None):
-    """The persistent TMA kernel: out [M, N] (linear_epilogue's or, with w2, gated_linear's); inputs checked
-    and ``tma_ok``. ``config`` (a ``tma_config``'s kwargs plus num_warps and num_stages) skips the autotuner;
+    """The persistent TMA kernel: out [M, N] = act(x2 @ w^T + bias) + res2; inputs checked and ``tma_ok``. ``config`` (a ``tma_config``'s kwargs plus num_warps and num_stages) skips the autotuner;
     ``num_sms`` sets the persistent grid (tests in the interpreter use a small one)."""
     from .rms_norm import sm_count
 
@@ -373,10 +357,9 @@ def launch_tma(x2, w, w2, bias, res2, activation: str, config: Optional[dict] = 
     if M == 0 or N == 0:
         return out
     dummy = [1, 1]  # block shapes are set per config (pre-hook, or below)
-    descs = [TensorDescriptor.from_tensor(t, dummy) for t in (x2, w, w2 if w2 is not None else w,
-                                                              res2 if res2 is not None else out, out)]
+    descs = [TensorDescriptor.from_tensor(t, dummy) for t in (x2, w, res2 if res2 is not None else out, out)]
     num_sms = num_sms or (sm_count(x2.device) if x2.is_cuda else 2)
-    meta = dict(GATED=w2 is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None,
+    meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None,
                 ACTIVATION=activation, INPUT_PRECISION=input_precision(x2.dtype), NUM_SMS=num_sms)
     args = (*descs, bias if bias is not None else out, M, N, K)
 
@@ -386,8 +369,7 @@ def launch_tma(x2, w, w2, bias, res2, activation: str, config: Optional[dict] = 
     if config is None:
         _gemm_tma_autotuned[grid](*args, **meta)
     else:
-        _tma_block_shapes({**config, "x_desc": descs[0], "w_desc": descs[1], "w2_desc": descs[2],
-                           "r_desc": descs[3], "out_desc": descs[4]})
+        _tma_block_shapes({**config, **dict(zip(("x_desc", "w_desc", "r_desc", "out_desc"), descs))})
         _gemm_tma_kernel[grid(config)](*args, **meta, **config)
     launches["tma"] += 1
     return out
@@ -426,7 +408,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
                 INPUT_PRECISION=input_precision(x2.dtype))
     config = config or (None if x2.is_cuda else INTERPRETER_META)
     if config is None and use_tma(M, N, K) and tma_ok(x2, weight, res2, out):
-        launch_tma(x2, weight, None, bias_arg if bias is not None else None, res2, activation, out=out)
+        launch_tma(x2, weight, bias_arg if bias is not None else None, res2, activation, out=out)
     elif config is None:
         _linear_epilogue_autotuned[launch_grid(M, N)](*args, **meta)
     else:

@@ -141,18 +141,3 @@ def test_bad_input_names_what_is_wrong(change, message):
     with pytest.raises(ValueError, match=message):
         gl.gated_linear(**kw)
 
-
-@pytest.mark.parametrize("subtile", [False, True], ids=["whole", "subtile"])
-@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("shape", [(70, 48, 40), (33, 80, 72)], ids=lambda s: "x".join(map(str, s)))
-def test_tma_kernel_gated_matches_float64_reference(shape, dtype, activation, subtile):
-    """The persistent TMA kernel's gated form (two accumulators), in the interpreter with a small grid."""
-    from kpt_compiler.kernels import linear_epilogue as le
-
-    x, w_gate, w_up = _inputs(*shape, dtype)
-    config = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=subtile)
-    out = le.launch_tma(x, w_gate, w_up, None, None, activation, config=config, num_sms=3)
-    ref = gl.reference(x.double(), w_gate.double(), w_up.double(), activation)
-    atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)

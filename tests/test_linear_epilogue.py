@@ -182,25 +182,24 @@ def test_tma_kernel_matches_float64_reference(shape, dtype, activation, bias, re
     x, w, b, r = _inputs(*shape, dtype, bias=bias, residual=residual)
     config = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=subtile)
     before = le.launches["tma"]
-    out = le.launch_tma(x, w, None, b, r, activation, config=config, num_sms=3)
+    out = le.launch_tma(x, w, b, r, activation, config=config, num_sms=3)
     assert le.launches["tma"] == before + 1
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out.double(), le.reference(*_double(x, w, b, r), activation=activation),
                                atol=atol, rtol=rtol)
 
 
-def test_tma_configs_pruned_for_gated_and_float32():
+def test_tma_configs_halve_the_k_step_for_float32():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    for dtype in (torch.float16, torch.float32):
+    full = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, c.num_warps): c.kwargs["BLOCK_K"]
+            for c in le.TMA_CONFIGS}
+    for dtype, divisor in ((torch.float16, 1), (torch.float32, 2)):  # float32 tiles take twice the shared memory
         desc = TensorDescriptor.from_tensor(torch.empty(64, 64, dtype=dtype), [1, 1])
-        for gated in (False, True):
-            kept = le.prune_tma_configs(le.TMA_CONFIGS, {"x_desc": desc, "M": 4096}, GATED=gated)
-            assert kept and (not gated or all(c.kwargs["BLOCK_N"] <= 128 for c in kept))
-            assert gated or any(c.kwargs["BLOCK_N"] == 256 for c in kept)
-            full = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]): c.kwargs["BLOCK_K"] for c in le.TMA_CONFIGS}
-            for c in kept:  # float32 tiles take twice the shared memory: half the K step
-                assert c.kwargs["BLOCK_K"] <= full[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]] // (2 if dtype == torch.float32 else 1)
+        kept = le.prune_tma_configs(le.TMA_CONFIGS, {"x_desc": desc, "M": 4096})
+        assert len(kept) == len(le.TMA_CONFIGS)
+        for c in kept:
+            assert c.kwargs["BLOCK_K"] == full[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, c.num_warps] // divisor
 
 
 def test_tma_not_used_off_hopper_or_unaligned():
