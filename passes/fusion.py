@@ -40,14 +40,31 @@ from kpt_compiler.profitability import Candidate, decide
 
 # The cost model (kpt_compiler/profitability.py): ours against Inductor, (M, K, N, speed-up), bf16, measured
 # on an NVIDIA H100 80GB HBM3 on 2026-11-26 by `python -m benchmarks.bench_gated_linear` and
-# `python -m benchmarks.bench_linear_epilogue --activation gelu_tanh` (results under benchmarks/results/): the
-# "launches included" column, since a model compiled without CUDA graphs pays the op's host costs too.
+# `python -m benchmarks.bench_linear_epilogue --activation gelu_tanh` (results under benchmarks/results/):
+# "launches" is the plain-call column (a model compiled without CUDA graphs pays the op's host costs too),
+# "cuda_graphs" the device time of CUDA-graph replays (modes that capture the model: host costs vanish).
 CALIBRATION = {
-    "gated_linear": ((4096, 4096, 4096, 0.86), (8192, 8192, 8192, 0.86), (8192, 4096, 14336, 0.87),
+    "gated_linear": {
+        "launches": ((4096, 4096, 4096, 0.86), (8192, 8192, 8192, 0.86), (8192, 4096, 14336, 0.87),
                      (8192, 1024, 2816, 1.05), (128, 4096, 4096, 1.12), (1, 4096, 4096, 1.25)),
-    "linear_epilogue": ((4096, 4096, 4096, 1.02), (8192, 8192, 8192, 1.01), (8192, 4096, 14336, 1.05),
-                        (8192, 1024, 2816, 0.67), (128, 4096, 4096, 0.97), (1, 4096, 4096, 0.94)),
+        "cuda_graphs": ((4096, 4096, 4096, 0.88), (8192, 8192, 8192, 0.87), (8192, 4096, 14336, 0.87),
+                        (8192, 1024, 2816, 1.06), (128, 4096, 4096, 1.07), (1, 4096, 4096, 1.27)),
+    },
+    "linear_epilogue": {
+        "launches": ((4096, 4096, 4096, 1.02), (8192, 8192, 8192, 1.01), (8192, 4096, 14336, 1.05),
+                     (8192, 1024, 2816, 0.67), (128, 4096, 4096, 0.97), (1, 4096, 4096, 0.94)),
+        "cuda_graphs": ((4096, 4096, 4096, 1.10), (8192, 8192, 8192, 1.01), (8192, 4096, 14336, 1.03),
+                        (8192, 1024, 2816, 0.73), (128, 4096, 4096, 1.08), (1, 4096, 4096, 0.76)),
+    },
 }
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that capture CUDA graphs
+
+
+def calibration(kind: str, mode: str) -> tuple:
+    """The calibrated points for a kind under a compile mode (empty: the kind has none)."""
+    return CALIBRATION.get(kind, {}).get("cuda_graphs" if mode in CUDA_GRAPH_MODES else "launches", ())
+
+
 # Kinds without a calibration: taken from this many rows up (the norms: never, until one beats Inductor).
 MIN_ROWS = {"gated_linear": 0, "linear_epilogue": 0, "horizontal": 1024, "add_rms_norm": 1 << 62,
             "add_layer_norm": 1 << 62}
@@ -117,7 +134,7 @@ def _ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shape
         return False
     mkn = (rows, shapes["K"], shapes["N"]) if isinstance(shapes.get("N"), int) and "K" in shapes else None
     d = decide(how, Candidate(kind, rows, shapes, v.dtype, v.device, MIN_ROWS[kind], ours, baseline_ms, source,
-                              mkn, CALIBRATION.get(kind, ()) if v.dtype == torch.bfloat16 else ()))
+                              mkn, calibration(kind, ctx.mode) if v.dtype == torch.bfloat16 else ()))
     if not d.rewrite:
         ctx.near_miss(f"{node.name}: {kind} not faster here ({d.why})")
     else:

@@ -196,3 +196,14 @@ def test_llama_block_training_matches_eager():
             assert relative_error(p.grad, pr.grad) < 1e-4
     rec = kpt_compiler.last_report().pass_record("fusion")
     assert rec.stats.get("gated") == 1 and rec.stats.get("horizontal") == 1 and rec.stats.get("norm") == 2, rec.notes
+
+
+def test_cost_model_reads_device_time_when_the_mode_captures_cuda_graphs():
+    from kpt_compiler.passes import fusion
+
+    for kind in fusion.CALIBRATION:
+        plain, graphs = fusion.calibration(kind, "default"), fusion.calibration(kind, "reduce-overhead")
+        assert plain and graphs and plain != graphs
+        assert fusion.calibration(kind, "max-autotune") == graphs
+        assert fusion.calibration(kind, "max-autotune-no-cudagraphs") == plain
+    assert fusion.calibration("no-such-kind", "default") == ()
