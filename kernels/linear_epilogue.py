@@ -36,11 +36,14 @@ once, when it is imported).
 """
 
 import collections
+import functools
 import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .rms_norm import sm_count
 
 try:
     import triton
@@ -114,17 +117,20 @@ INTERPRETER_META = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
 @triton.jit
-def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's (tile row, tile column), ordered in groups of GROUP_M tile rows for L2 reuse."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+def tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of a linear tile index, ordered in groups of GROUP_M tile rows for L2 reuse."""
     num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
     group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's (tile row, tile column) (``tile_of`` its program id)."""
+    return tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
 
 @triton.jit
@@ -230,9 +236,10 @@ def tma_config(BM, BN, BK, stages, warps, subtile, group=8):
                          num_stages=stages, num_warps=warps, pre_hook=_tma_block_shapes)
 
 
-# From a sweep on the H100 (bf16; 128/64 x 64..256 x 64/128 tiles, 2-5 stages, 4/8 warps, subtiled or not):
-# 128x256x64 with 3 stages and a subtiled epilogue wins from about 1024 rows up (87-94% of cuBLAS at 4096 and
-# up); the others are the runners-up, with more tiles per SM for narrower outputs.
+# From a sweep on the H100 (bf16; 128/64 x 64..256 x 64/128 tiles, 2-5 stages, 4/8 warps, subtiled or not;
+# an uncommitted script, 2026-11-26): 128x256x64 with 3 stages and a subtiled epilogue won at every shape from
+# 1024 rows up; the others are the runners-up, with more tiles per SM for narrower outputs. What it reaches:
+# benchmarks/bench_linear_epilogue.py.
 TMA_CONFIGS = [
     tma_config(128, 256, 64, 3, 8, True),
     tma_config(128, 128, 64, 5, 8, True),
@@ -256,17 +263,6 @@ def prune_tma_configs(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(tile row, tile column) of a linear tile index, in groups of GROUP_M tile rows (as grouped_tile)."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (tile_id // num_pid_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (tile_id % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
-
-
-@triton.jit
 def _gemm_tma_kernel(
     # descriptors: x [M, K], w [N, K], residual and out [M, N]; bias pointer [N]
     x_desc, w_desc, r_desc, out_desc, bias_ptr,
@@ -286,7 +282,7 @@ def _gemm_tma_kernel(
     # (the flattened software pipeline overlaps the next tile's loads with this epilogue)
     tile_id_c = start_pid - NUM_SMS
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
-        pid_m, pid_n = _tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -296,7 +292,7 @@ def _gemm_tma_kernel(
             acc = tl.dot(x, w_desc.load([off_n, off_k]).T, acc, input_precision=INPUT_PRECISION)
 
         tile_id_c += NUM_SMS
-        pid_m, pid_n = _tile_of(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_of(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         # epilogue in float32, one rounding at the store
@@ -331,6 +327,11 @@ def use_tma(M: int, N: int, K: int) -> bool:
     return M >= TMA_MIN_M and M * N * K >= TMA_MIN_MNK
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def tma_ok(*tensors) -> bool:
     """Whether the TMA kernel can run on these 2-D CUDA tensors (None skipped): a device with TMA (compute
     capability 9.0 and up), unit last stride, 16-byte aligned base and row stride. (The CPU's interpreter runs
@@ -340,7 +341,8 @@ def tma_ok(*tensors) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if not t.is_cuda or torch.cuda.get_device_capability(t.device)[0] < 9:
+        if not t.is_cuda or _capability_major(t.device.index if t.device.index is not None
+                                              else torch.cuda.current_device()) < 9:
             return False
         if t.dim() != 2 or t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False
@@ -351,8 +353,6 @@ def launch_tma(x2, w, bias, res2, activation: str, config: Optional[dict] = None
                num_sms: Optional[int] = None, out: Optional[torch.Tensor] = None):
     """The persistent TMA kernel: out [M, N] = act(x2 @ w^T + bias) + res2; inputs checked and ``tma_ok``. ``config`` (a ``tma_config``'s kwargs plus num_warps and num_stages) skips the autotuner;
     ``num_sms`` sets the persistent grid (tests in the interpreter use a small one)."""
-    from .rms_norm import sm_count
-
     M, K = x2.shape
     N = w.shape[0]
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if out is None else out
