@@ -1,17 +1,20 @@
-"""Host cost of one call of each fused op, against the ATen calls it replaces (CUDA only).
+"""Host cost of one call of each fused op, against what Inductor issues instead (CUDA only).
 
     python -m benchmarks.bench_dispatch [--out DIR]
 
-Without CUDA graphs a small model is launch-bound: the step takes as long as the host needs to issue its
-kernels, so a fused op that saves device time but costs more host time than the ATen calls it replaces makes
-the model slower. This measures, per call, the host time to issue (N calls back to back without a sync, their
-wall time divided by N; the device keeps up at these shapes) and the device time (CUDA-graph replay) of:
-  - aten: the unfused ATen sequence the fusion pass replaces, as eager issues it;
-  - op: the custom op (torch.ops.kpt.*), as Inductor's generated code calls it;
-  - launch: our launcher without the custom-op dispatch (argument checks, autotuner, Triton launch);
-  - kernel: the launcher with the autotuner's chosen config passed in (no autotuner on the way);
-under torch.no_grad() (inference) at Llama-style decode and prefill shapes. The fusion cost model's
-``HOST_US`` table (passes/fusion.py) comes from this.
+Without CUDA graphs a small model is launch-bound: a step takes as long as the host needs to issue its
+kernels, so a fused op that saves device time but costs more host time than the calls it replaces makes the
+model slower. This measures, per call, the host time to issue (calls back to back without a sync, wall time
+divided by their number; the device keeps up at these shapes) and the device time (CUDA-graph replay) of:
+  - aten: the unfused sequence the fusion pass replaces, as eager issues it;
+  - inductor: the same sequence inside an Inductor-compiled graph, marginal cost: a graph of five copies
+    (distinct weights) against a graph of one, divided by four, so Dynamo's per-call guard and wrapper costs,
+    which a model pays once per step, cancel;
+  - op: the custom op with autograd (torch.ops.kpt.<name>), as a training graph calls it;
+  - inference: torch.ops.kpt.<name>_inference, which the fusion pass emits where no gradient flows;
+  - launch: our launcher alone (argument checks, the chosen config, the Triton launch);
+under torch.no_grad() at the zoo Llama's decode and prefill sizes (K=1024, N=2816 and 1024). The fusion cost
+model's ``HOST_US`` (passes/fusion.py) comes from this table, and its small-shape horizontal figures.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from kpt_compiler.kernels import linear_epilogue as le
 from kpt_compiler.kernels import rms_norm as rn
 
 CALLS = 400
-VARIANTS = ("aten", "op", "launch", "kernel")
+COPIES = 5
+VARIANTS = ("aten", "inductor", "op", "inference", "launch")
 
 
 def host_us(fn, calls: int = CALLS) -> float:
@@ -47,32 +51,49 @@ def host_us(fn, calls: int = CALLS) -> float:
     return best
 
 
-def _best(autotuned) -> dict:
-    """The config the autotuner chose last (the "kernel" variant runs it directly, without the autotuner)."""
-    return autotuned.best_config.all_kwargs()
+def inductor_us(seq, copies: list[tuple]) -> tuple[float, float]:
+    """(host, device) microseconds of one more copy of ``seq`` inside an Inductor graph (see the docstring)."""
+    torch._dynamo.reset()
+    one = torch.compile(lambda args: [seq(*a) for a in args], dynamic=False)
+    many = torch.compile(lambda args: [seq(*a) for a in args], dynamic=False)
+    first, rest = copies[:1], copies
+    host = (host_us(lambda: many(rest)) - host_us(lambda: one(first))) / (len(rest) - 1)
+    dev = (median_ms(lambda: many(rest), "cuda", rep_ms=100, cuda_graph=True)
+           - median_ms(lambda: one(first), "cuda", rep_ms=100, cuda_graph=True)) * 1e3 / (len(rest) - 1)
+    return host, dev
 
 
 def cases(M: int, K: int = 1024, N: int = 2816):
     dev, dt = "cuda", torch.bfloat16
-    x = torch.randn(M, K, device=dev, dtype=dt)
-    wg, wu = (torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(2))
-    wo = torch.randn(K, K, device=dev, dtype=dt) * K ** -0.5
-    res = torch.randn(M, K, device=dev, dtype=dt)
-    norm_w = torch.ones(K, device=dev, dtype=dt)
-    yield "gated_linear", {
-        "aten": lambda: F.silu(F.linear(x, wg)) * F.linear(x, wu),
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device=dev, dtype=dt) * scale
+
+    x, res, norm_w = randn(M, K), randn(M, K), torch.ones(K, device=dev, dtype=dt)
+    gates = [(x, randn(N, K, scale=K ** -0.5), randn(N, K, scale=K ** -0.5)) for _ in range(COPIES)]
+    outs = [(x, randn(K, K, scale=K ** -0.5), res) for _ in range(COPIES)]
+    _, wg, wu = gates[0]
+    _, wo, _ = outs[0]
+    yield "gated_linear", lambda x, wg, wu: F.silu(F.linear(x, wg)) * F.linear(x, wu), gates, {
         "op": lambda: torch.ops.kpt.gated_linear(x, wg, wu, "silu"),
+        "inference": lambda: torch.ops.kpt.gated_linear_inference(x, wg, wu, "silu"),
         "launch": lambda: gl._launch(x, wg, wu, "silu"),
-        "kernel": lambda: gl._launch(x, wg, wu, "silu", config=_best(gl._gated_linear_autotuned)),
     }
-    yield "linear_epilogue (residual)", {
-        "aten": lambda: F.linear(x, wo) + res,
+    yield "linear_epilogue (residual)", lambda x, w, r: F.linear(x, w) + r, outs, {
         "op": lambda: torch.ops.kpt.linear_epilogue(x, wo, None, res, "none"),
+        "inference": lambda: torch.ops.kpt.linear_epilogue_inference(x, wo, None, res, "none"),
         "launch": lambda: le._launch(x, wo, None, res, "none"),
-        "kernel": lambda: le._launch(x, wo, None, res, "none", config=_best(le._linear_epilogue_autotuned)),
     }
-    yield "add_rms_norm", {
-        "aten": lambda: F.rms_norm(x + res, (K,), norm_w, 1e-6),
+    # what Inductor pays for the GEMM alone, when the residual add folds into the next kernel (a norm)
+    yield "linear alone", lambda x, w, r: F.linear(x, w), outs, {}
+    # the horizontal rule: q, k and v projections (grouped-query: k and v narrower) as three GEMMs, or as one
+    # over the weights concatenated on every call
+    qkv = [(x, randn(K, K, scale=K ** -0.5), randn(K // 4, K, scale=K ** -0.5), randn(K // 4, K, scale=K ** -0.5))
+           for _ in range(COPIES)]
+    yield "q, k, v: three linears", lambda x, wq, wk, wv: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)), qkv, {}
+    yield "q, k, v: one linear over cat(Wq, Wk, Wv)", \
+        lambda x, wq, wk, wv: F.linear(x, torch.cat([wq, wk, wv])).split([K, K // 4, K // 4], -1), qkv, {}
+    yield "add_rms_norm", lambda x, r: F.rms_norm(x + r, (K,), norm_w, 1e-6), [(x, randn(M, K)) for _ in range(COPIES)], {
         "op": lambda: torch.ops.kpt.add_rms_norm(x, res, norm_w, 1e-6, False),
         "launch": lambda: rn._forward(x, res, norm_w, 1e-6, False),
     }
@@ -88,22 +109,27 @@ def main(argv=None) -> int:
     rows = []
     with torch.no_grad():
         for M in (1, 128):
-            for name, fns in cases(M):
+            for name, seq, copies, fns in cases(M):
                 row = {"op": name, "M": M, "host_us": {}, "device_us": {}}
+                row["host_us"]["aten"] = host_us(lambda: seq(*copies[0]))
+                row["device_us"]["aten"] = median_ms(lambda: seq(*copies[0]), "cuda", rep_ms=100, cuda_graph=True) * 1e3
+                row["host_us"]["inductor"], row["device_us"]["inductor"] = inductor_us(seq, copies)
                 for variant, fn in fns.items():
                     row["host_us"][variant] = host_us(fn)
                     row["device_us"][variant] = median_ms(fn, "cuda", rep_ms=100, cuda_graph=True) * 1e3
                 rows.append(row)
                 print(f"{name} M={M}: " + "  ".join(f"{v} host {row['host_us'][v]:.1f}us device "
-                                                    f"{row['device_us'][v]:.1f}us" for v in fns), flush=True)
+                                                    f"{row['device_us'][v]:.1f}us" for v in row["host_us"]), flush=True)
     title = (f"host and device time per call, torch.no_grad, bf16, K=1024, N=2816, {meta['card']}, "
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: {meta['command']}")
-    header = "| op | M | " + " | ".join(f"{v} host us | {v} device us" for v in VARIANTS)
+    header = "| op | M | " + " | ".join(f"{v} host us | {v} device us" for v in VARIANTS) + " |"
     lines = [header, "|" + " --- |" * (2 + 2 * len(VARIANTS))]
     for r in rows:
         lines.append(f"| {r['op']} | {r['M']} | " + " | ".join(
-            f"{r['host_us'].get(v, float('nan')):.1f} | {r['device_us'].get(v, float('nan')):.1f}" for v in VARIANTS) + " |")
-    table = "\n".join([title, "", *lines])
+            f"{r['host_us'].get(v, float('nan')):.1f} | {r['device_us'].get(v, float('nan')):.1f}" for v in VARIANTS)
+            + " |")
+    table = "\n".join([title, "", *lines, "", "inductor: marginal cost of one more copy inside a compiled graph. "
+                       "nan: not applicable."])
     print(table)
     write(args.out, "bench_dispatch", meta, rows, table)
     return 0

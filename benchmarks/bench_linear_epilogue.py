@@ -35,6 +35,11 @@ SHAPES = [  # (M, K, N)
     (8192, 1024, 2816),
     (128, 4096, 4096),  # short prefill
     (1, 4096, 4096),  # one decode token: memory-bound on W
+    # the Llama of the zoo at 1 x 128 tokens: q and o projections, gate and up, down (the cost model's
+    # small-shape points: there the GEMMs take a few microseconds and tile choice decides)
+    (128, 1024, 1024),
+    (128, 1024, 2816),
+    (128, 2816, 1024),
 ]
 
 

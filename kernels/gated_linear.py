@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from .linear_epilogue import (ACTIVATIONS, HAVE_TRITON, INTERPRETER_META, activation_backward,
-                              apply_activation, check_activation, grouped_tile, input_precision,
-                              launch_grid, prune_configs, use_kernel)
+                              apply_activation, check_activation, gated_tma_ok, grouped_tile,
+                              input_precision, launch_grid, launch_tma_gated, launch_tuned, prune_configs,
+                              tma_ok, use_kernel, use_tma)
 
 if HAVE_TRITON:
     import triton
@@ -122,12 +123,16 @@ _gated_linear_autotuned = triton.autotune(
 # Launcher
 # ---------------------------------------------------------------------------------------------------------
 def _launch(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str,
-            config: Optional[dict] = None) -> torch.Tensor:
+            config: Optional[dict] = None, tma: bool = True) -> torch.Tensor:
     """out [M, N] = act(x2 @ w_gate^T) * (x2 @ w_up^T) with the Triton kernel; inputs already checked.
 
-    ``config`` skips the autotuner, as in ``linear_epilogue._launch``."""
+    ``config`` skips the autotuner, as in ``linear_epilogue._launch``; ``tma=False`` keeps to the pointer
+    kernel where the TMA kernel would run (the benchmark compares the two)."""
     M, K = x2.shape
     N = w_gate.shape[0]
+    if config is None and tma and use_tma(M, 2 * N, K) and tma_ok(x2, w_gate, w_up) and gated_tma_ok(w_gate, w_up):
+        launches["gated_linear"] += 1
+        return launch_tma_gated(x2, w_gate, w_up, activation)
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0 or N == 0:
         return out
@@ -136,7 +141,8 @@ def _launch(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activati
     meta = dict(ACTIVATION=activation, INPUT_PRECISION=input_precision(x2.dtype))
     config = config or (None if x2.is_cuda else INTERPRETER_META)
     if config is None:
-        _gated_linear_autotuned[launch_grid(M, N)](*args, **meta)
+        launch_tuned(_gated_linear_autotuned, _gated_linear_kernel, (M, N, K, x2.dtype), launch_grid(M, N), args,
+                     meta)
     else:
         _gated_linear_kernel[launch_grid(M, N)(config)](*args, **meta, **config)
     launches["gated_linear"] += 1
@@ -172,9 +178,7 @@ def reference(x, w_gate, w_up, activation: str = "silu") -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 # Custom op: torch.ops.kpt.gated_linear, its fake implementation and autograd
 # ---------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("kpt::gated_linear", mutates_args=())
-def _gated_linear_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-                     activation: str = "silu") -> torch.Tensor:
+def _forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     _check(x, w_gate, w_up, activation)
     if not use_kernel(x):
         return reference(x, w_gate, w_up, activation)
@@ -182,10 +186,13 @@ def _gated_linear_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     return _launch(x.reshape(-1, K), w_gate, w_up, activation).view(*x.shape[:-1], N)
 
 
-@_gated_linear_op.register_fake
-def _(x, w_gate, w_up, activation="silu"):
+def _fake(x, w_gate, w_up, activation="silu"):
     _check(x, w_gate, w_up, activation)
     return x.new_empty(*x.shape[:-1], w_gate.shape[0])
+
+
+_gated_linear_op = torch.library.custom_op("kpt::gated_linear", mutates_args=())(_forward)
+_gated_linear_op.register_fake(_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -210,6 +217,13 @@ def _backward(ctx, grad):
 
 
 _gated_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# The same without autograd, for calls no gradient flows through (see linear_epilogue_inference for why).
+_lib = torch.library.Library("kpt", "FRAGMENT")
+_lib.define("gated_linear_inference(Tensor x, Tensor w_gate, Tensor w_up, str activation='silu') -> Tensor")
+_lib.impl("gated_linear_inference", _forward, "CompositeExplicitAutograd")
+torch.library.register_fake("kpt::gated_linear_inference", _fake, lib=_lib)
 
 
 def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

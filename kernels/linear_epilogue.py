@@ -224,9 +224,10 @@ HAVE_TMA = HAVE_TRITON and TensorDescriptor is not None
 def _tma_block_shapes(nargs):
     """Autotune pre-hook (and explicit configs): the descriptors' block shapes follow the config."""
     BM, BN, BK = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
-    out_bn = BN // 2 if nargs["EPILOGUE_SUBTILE"] else BN
+    gated = nargs.get("GATED", False)
+    out_bn = BN // 2 if nargs["EPILOGUE_SUBTILE"] or gated else BN
     nargs["x_desc"].block_shape = [BM, BK]
-    nargs["w_desc"].block_shape = [BN, BK]
+    nargs["w_desc"].block_shape = [2, BN // 2, BK] if gated else [BN, BK]
     nargs["r_desc"].block_shape = [BM, out_bn]
     nargs["out_desc"].block_shape = [BM, out_bn]
 
@@ -272,10 +273,14 @@ def _gemm_tma_kernel(
     INPUT_PRECISION: tl.constexpr, NUM_SMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EPILOGUE_SUBTILE: tl.constexpr,
+    # gated_linear: w_desc is 3-D [2, N, K] over both weights (see launch_tma_gated); each tile multiplies
+    # BLOCK_N / 2 rows of each as one [BLOCK_N, BLOCK_K] operand and stores act(g) * u, [BLOCK_M, BLOCK_N / 2]
+    GATED: tl.constexpr = False, UP_FIRST: tl.constexpr = False,
 ):
+    OUT_N: tl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N  # output columns per tile
     start_pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(N, OUT_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     num_tiles = num_pid_m * num_pid_n
     # the epilogue recomputes its tile from its own counter, so it does not depend on the loop's prologue
@@ -284,40 +289,52 @@ def _gemm_tma_kernel(
     for tile_id in tl.range(start_pid, num_tiles, NUM_SMS, flatten=True):
         pid_m, pid_n = tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+        off_n = pid_n * OUT_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             x = x_desc.load([off_m, off_k])
-            acc = tl.dot(x, w_desc.load([off_n, off_k]).T, acc, input_precision=INPUT_PRECISION)
+            if GATED:  # rows off_n.. of the first weight, then the same rows of the second
+                w = tl.reshape(w_desc.load([0, off_n, off_k]), (BLOCK_N, BLOCK_K))
+            else:
+                w = w_desc.load([off_n, off_k])
+            acc = tl.dot(x, w.T, acc, input_precision=INPUT_PRECISION)
 
         tile_id_c += NUM_SMS
         pid_m, pid_n = tile_of(tile_id_c, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+        off_n = pid_n * OUT_N
         # epilogue in float32, one rounding at the store
-        if HAS_BIAS:
-            cols = off_n + tl.arange(0, BLOCK_N)
-            acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        acc = apply_activation(acc, ACTIVATION)
-        if EPILOGUE_SUBTILE:
-            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            off_n1 = off_n + BLOCK_N // 2
-            if HAS_RESIDUAL:
-                acc0 += r_desc.load([off_m, off_n]).to(tl.float32)
-                acc1 += r_desc.load([off_m, off_n1]).to(tl.float32)
-            out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
-            out_desc.store([off_m, off_n1], acc1.to(out_desc.dtype))
+        if GATED:
+            first, second = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            if UP_FIRST:
+                out = apply_activation(second, ACTIVATION) * first
+            else:
+                out = apply_activation(first, ACTIVATION) * second
+            out_desc.store([off_m, off_n], out.to(out_desc.dtype))
         else:
-            if HAS_RESIDUAL:
-                acc += r_desc.load([off_m, off_n]).to(tl.float32)
-            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+            if HAS_BIAS:
+                cols = off_n + tl.arange(0, BLOCK_N)
+                acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+            acc = apply_activation(acc, ACTIVATION)
+            if EPILOGUE_SUBTILE:
+                acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+                off_n1 = off_n + BLOCK_N // 2
+                if HAS_RESIDUAL:
+                    acc0 += r_desc.load([off_m, off_n]).to(tl.float32)
+                    acc1 += r_desc.load([off_m, off_n1]).to(tl.float32)
+                out_desc.store([off_m, off_n], acc0.to(out_desc.dtype))
+                out_desc.store([off_m, off_n1], acc1.to(out_desc.dtype))
+            else:
+                if HAS_RESIDUAL:
+                    acc += r_desc.load([off_m, off_n]).to(tl.float32)
+                out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
 # the key names the constexprs that change the best config (Triton keys on M, N, K and tensor dtypes only;
 # descriptors are not tensors, bias_ptr carries the dtype)
 _gemm_tma_autotuned = triton.autotune(
-    configs=TMA_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION"],
+    configs=TMA_CONFIGS, key=["M", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "ACTIVATION", "GATED"],
     prune_configs_by={"early_config_prune": prune_tma_configs},
 )(_gemm_tma_kernel)
 
@@ -351,8 +368,9 @@ def tma_ok(*tensors) -> bool:
 
 def launch_tma(x2, w, bias, res2, activation: str, config: Optional[dict] = None,
                num_sms: Optional[int] = None, out: Optional[torch.Tensor] = None):
-    """The persistent TMA kernel: out [M, N] = act(x2 @ w^T + bias) + res2; inputs checked and ``tma_ok``. ``config`` (a ``tma_config``'s kwargs plus num_warps and num_stages) skips the autotuner;
-    ``num_sms`` sets the persistent grid (tests in the interpreter use a small one)."""
+    """The persistent TMA kernel: out [M, N] = act(x2 @ w^T + bias) + res2; inputs checked and ``tma_ok``.
+    ``config`` (a ``tma_config``'s kwargs plus num_warps and num_stages) skips the autotuner; ``num_sms`` sets
+    the persistent grid (tests in the interpreter use a small one)."""
     M, K = x2.shape
     N = w.shape[0]
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device) if out is None else out
@@ -360,21 +378,62 @@ def launch_tma(x2, w, bias, res2, activation: str, config: Optional[dict] = None
         return out
     dummy = [1, 1]  # block shapes are set per config (pre-hook, or below)
     descs = [TensorDescriptor.from_tensor(t, dummy) for t in (x2, w, res2 if res2 is not None else out, out)]
+    _run_tma(descs, bias if bias is not None else out, M, N, K, x2, activation, config, num_sms,
+             dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None), lambda meta: meta["BLOCK_N"])
+    return out
+
+
+def gated_tma_ok(w_gate, w_up) -> bool:
+    """Whether ``launch_tma_gated`` can address both weights with one descriptor: same row stride, and a
+    distance between them that is a positive multiple of 16 bytes (distinct tensors, or distinct halves)."""
+    return (w_gate.stride() == w_up.stride() and w_gate.shape == w_up.shape
+            and abs(w_up.data_ptr() - w_gate.data_ptr()) >= w_gate.shape[0] * w_gate.stride(0) * w_gate.element_size()
+            and (w_up.data_ptr() - w_gate.data_ptr()) % 16 == 0)
+
+
+def launch_tma_gated(x2, w_gate, w_up, activation: str, config: Optional[dict] = None,
+                     num_sms: Optional[int] = None):
+    """act(x2 @ w_gate^T) * (x2 @ w_up^T) with the persistent TMA kernel (``GATED``); ``tma_ok`` and
+    ``gated_tma_ok``. One 3-D descriptor spans both weights, [2, N, K] with the distance between them as its
+    first stride (TMA reads only the tiles asked for, never the memory between), so each K step feeds one
+    [BLOCK_N, BLOCK_K] tile, BLOCK_N / 2 rows of each weight, to one dot, and the accumulator's halves are g
+    and u: the linear kernel's 128 x 256 tile with no copy of the weights."""
+    M, K = x2.shape
+    N = w_gate.shape[0]
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    if M == 0 or N == 0:
+        return out
+    up_first = w_up.data_ptr() < w_gate.data_ptr()  # the descriptor's strides must be positive
+    lo = w_up if up_first else w_gate
+    hi = w_gate if up_first else w_up
+    apart = (hi.data_ptr() - lo.data_ptr()) // lo.element_size()
+    w_desc = TensorDescriptor(lo, [2, N, K], [apart, lo.stride(0), 1], [1, 1, 1])
+    descs = [TensorDescriptor.from_tensor(x2, [1, 1]), w_desc, *(TensorDescriptor.from_tensor(out, [1, 1]),) * 2]
+    _run_tma(descs, out, M, N, K, x2, activation, config, num_sms,
+             dict(HAS_BIAS=False, HAS_RESIDUAL=False, GATED=True, UP_FIRST=up_first),
+             lambda meta: meta["BLOCK_N"] // 2)
+    return out
+
+
+def _run_tma(descs, bias_arg, M, N, K, x2, activation, config, num_sms, flags: dict, out_cols) -> None:
+    """Launch the TMA kernel on ``descs`` (x, w, residual, out): autotuned on a key's first call, then with the
+    config chosen then (as ``launch_tuned``, with the descriptors' block shapes set by hand)."""
     num_sms = num_sms or (sm_count(x2.device) if x2.is_cuda else 2)
-    meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None,
-                ACTIVATION=activation, INPUT_PRECISION=input_precision(x2.dtype), NUM_SMS=num_sms)
-    args = (*descs, bias if bias is not None else out, M, N, K)
+    meta = dict(ACTIVATION=activation, INPUT_PRECISION=input_precision(x2.dtype), NUM_SMS=num_sms, **flags)
+    args = (*descs, bias_arg, M, N, K)
 
     def grid(meta):
-        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, out_cols(meta))),)
 
+    key = (_gemm_tma_kernel, (M, N, K, x2.dtype, activation, num_sms, *sorted(flags.items())))
+    config = config or _chosen.get(key)
     if config is None:
         _gemm_tma_autotuned[grid](*args, **meta)
+        _chosen[key] = _gemm_tma_autotuned.best_config.all_kwargs()
     else:
-        _tma_block_shapes({**config, **dict(zip(("x_desc", "w_desc", "r_desc", "out_desc"), descs))})
+        _tma_block_shapes({**config, **flags, **dict(zip(("x_desc", "w_desc", "r_desc", "out_desc"), descs))})
         _gemm_tma_kernel[grid(config)](*args, **meta, **config)
     launches["tma"] += 1
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -389,6 +448,26 @@ def input_precision(dtype: torch.dtype) -> str:
 
 def launch_grid(M: int, N: int):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+
+
+# (kernel, the autotuner's key) -> the launch keywords of the config it chose. Triton's Autotuner rebuilds its
+# key, looks it up and merges the config's keywords on every call; at decode sizes that is a sixth of the op's
+# host time on the H100 machine (benchmarks/bench_dispatch.py, "launch" against "kernel"). After the first
+# call with a key, ``launch_tuned`` launches the kernel with the chosen config directly.
+_chosen: dict = {}
+
+
+def launch_tuned(autotuned, kernel, key: tuple, grid, args: tuple, meta: dict) -> dict:
+    """``autotuned[grid](*args, **meta)``: the first call with ``key`` autotunes, later ones launch ``kernel``
+    with the config chosen then. ``key`` must hold everything the autotuner keys on (its key arguments and the
+    tensors' dtypes), or a config tuned for one case would run another. Returns the config's keywords."""
+    config = _chosen.get((kernel, key))
+    if config is None:
+        autotuned[grid](*args, **meta)
+        config = _chosen[(kernel, key)] = autotuned.best_config.all_kwargs()
+        return config
+    kernel[grid(config) if callable(grid) else grid](*args, **meta, **config)
+    return config
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], res2: Optional[torch.Tensor],
@@ -412,7 +491,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     if config is None and use_tma(M, N, K) and tma_ok(x2, weight, res2, out):
         launch_tma(x2, weight, bias_arg if bias is not None else None, res2, activation, out=out)
     elif config is None:
-        _linear_epilogue_autotuned[launch_grid(M, N)](*args, **meta)
+        launch_tuned(_linear_epilogue_autotuned, _linear_epilogue_kernel, (M, N, K, x2.dtype), launch_grid(M, N),
+                     args, meta)
     else:
         _linear_epilogue_kernel[launch_grid(M, N)(config)](*args, **meta, **config)
     launches["linear_epilogue"] += 1
@@ -501,9 +581,8 @@ def activation_backward(grad: torch.Tensor, z: torch.Tensor, activation: str) ->
 # ---------------------------------------------------------------------------------------------------------
 # Custom op: torch.ops.kpt.linear_epilogue, its fake implementation and autograd
 # ---------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("kpt::linear_epilogue", mutates_args=())
-def _linear_epilogue_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                        residual: Optional[torch.Tensor] = None, activation: str = "none") -> torch.Tensor:
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             residual: Optional[torch.Tensor] = None, activation: str = "none") -> torch.Tensor:
     _check(x, weight, bias, residual, activation)
     if not use_kernel(x):
         return reference(x, weight, bias, residual, activation)
@@ -512,10 +591,13 @@ def _linear_epilogue_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return _launch(x.reshape(-1, K), weight, bias, res2, activation).view(*x.shape[:-1], N)
 
 
-@_linear_epilogue_op.register_fake
-def _(x, weight, bias=None, residual=None, activation="none"):
+def _fake(x, weight, bias=None, residual=None, activation="none"):
     _check(x, weight, bias, residual, activation)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+_linear_epilogue_op = torch.library.custom_op("kpt::linear_epilogue", mutates_args=())(_forward)
+_linear_epilogue_op.register_fake(_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -540,6 +622,21 @@ def _backward(ctx, grad):
 
 
 _linear_epilogue_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inference op: torch.ops.kpt.linear_epilogue_inference, the same computation without autograd
+# ---------------------------------------------------------------------------------------------------------
+# A custom_op runs a Python autograd layer in front of the kernel even under torch.no_grad(): at decode
+# sizes that is about half of the op's host time on the H100 machine (benchmarks/bench_dispatch.py, "op"
+# against "launch"), and a model compiled without CUDA graphs is bound by host time there. Where no gradient
+# flows through the call, the fusion pass emits this op instead: defined with torch.library.Library and no
+# autograd kernel, so PyTorch's C++ autograd fallback stands in front (it warns if a gradient is asked for).
+_lib = torch.library.Library("kpt", "FRAGMENT")
+_lib.define("linear_epilogue_inference(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, "
+            "str activation='none') -> Tensor")
+_lib.impl("linear_epilogue_inference", _forward, "CompositeExplicitAutograd")
+torch.library.register_fake("kpt::linear_epilogue_inference", _fake, lib=_lib)
 
 
 def linear_epilogue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

@@ -141,3 +141,37 @@ def test_bad_input_names_what_is_wrong(change, message):
     with pytest.raises(ValueError, match=message):
         gl.gated_linear(**kw)
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The persistent TMA kernel's gated form (Hopper, M >= TMA_MIN_M), run here directly in the interpreter: one
+# 3-D descriptor spans both weights wherever they are (separate tensors, or halves of one in either order).
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["separate", "gate_then_up", "up_then_gate"])
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("M, N, K", [(70, 40, 48), (33, 72, 80)])  # N not a multiple of the tile; a K tail
+def test_tma_gated_kernel_matches_float64_reference(M, N, K, dtype, activation, layout):
+    from kpt_compiler.kernels import linear_epilogue as le
+
+    x, w_gate, w_up = _inputs(M, N, K, dtype)
+    if layout != "separate":  # both weights in one buffer, as a fused gate_up projection stores them
+        both = torch.cat([w_gate, w_up] if layout == "gate_then_up" else [w_up, w_gate])
+        w_gate, w_up = (both[:N], both[N:]) if layout == "gate_then_up" else (both[N:], both[:N])
+    assert le.gated_tma_ok(w_gate, w_up)
+    config = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=False)
+    before = le.launches["tma"]
+    out = le.launch_tma_gated(x, w_gate, w_up, activation, config=config, num_sms=3)
+    assert le.launches["tma"] == before + 1
+    atol, rtol = TOLERANCES[dtype]
+    ref = gl.reference(x.double(), w_gate.double(), w_up.double(), activation)
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+def test_tma_gated_needs_distinct_weights_with_one_row_stride():
+    from kpt_compiler.kernels import linear_epilogue as le
+
+    w = torch.randn(32, 16)
+    assert not le.gated_tma_ok(w, w)  # the same tensor twice: no distance to stride over
+    assert not le.gated_tma_ok(w, torch.randn(32, 24)[:, :16])  # another row stride
+    assert le.gated_tma_ok(w, torch.randn(32, 16))

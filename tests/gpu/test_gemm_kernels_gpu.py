@@ -155,8 +155,8 @@ def test_hopper_takes_the_tma_kernel_for_large_gemms():
         assert le.use_tma(M, N, K) == bool(expect)
         before = le.launches["tma"]
         le.linear_epilogue(*_linear_inputs(M, K, N))
-        gl.gated_linear(*_gated_inputs(M, K, N))  # the gated op keeps its pointer kernel
-        assert le.launches["tma"] == before + expect
+        gl.gated_linear(*_gated_inputs(M, K, N))  # the gated form: one descriptor over both weights
+        assert le.launches["tma"] == before + 2 * expect
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -181,3 +181,44 @@ def test_every_tma_config(dtype):
         ran += 1
         assert relative_error(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3), config
     assert ran >= 2
+
+
+@pytest.mark.parametrize("M, K, N", [(128, 1024, 2816), (8192, 1024, 4096)])  # pointer kernel; TMA kernel
+def test_later_calls_skip_the_autotuner_and_match(M, K, N):
+    """After the first call with a shape, the launchers run the chosen config directly (launch_tuned): the
+    result must be bit-identical to the first call's, for the autograd ops and the *_inference ones."""
+    args = _linear_inputs(M, K, N)
+    le._chosen.clear()
+    first = le.linear_epilogue(*args, activation="gelu_tanh")
+    assert le._chosen, "the first call did not record its config"
+    again = torch.ops.kpt.linear_epilogue_inference(*args, "gelu_tanh")
+    assert torch.equal(first, again)
+    gargs = _gated_inputs(M, K, N)
+    first = gl.gated_linear(*gargs, activation="silu")
+    assert torch.equal(first, torch.ops.kpt.gated_linear_inference(*gargs, "silu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_every_tma_config_gated(dtype):
+    """The gated form with each config, at an odd size, with the weights apart and as halves of one tensor."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    from triton.runtime.errors import OutOfResources
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    M, K, N = 1000, 1000, 1032
+    x, w_gate, w_up = _gated_inputs(M, K, N, dtype=dtype)
+    both = torch.cat([w_up, w_gate])  # up first: the descriptor starts at w_up
+    desc = TensorDescriptor.from_tensor(x, [1, 1])
+    ran = 0
+    for weights in ((w_gate, w_up), (both[N:], both[:N])):
+        ref = gl.reference(*_float(x, *weights), activation="silu")
+        for c in le.prune_tma_configs(le.TMA_CONFIGS, {"x_desc": desc}):
+            config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+            try:
+                out = le.launch_tma_gated(x, *weights, "silu", config=config)
+            except OutOfResources:
+                continue
+            ran += 1
+            assert relative_error(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3), config
+    assert ran >= 4
