@@ -1,7 +1,7 @@
 """Where one zoo case spends its time under each compile mode: the kernels of a step, from torch.profiler.
 
     python -m benchmarks.profile_case --model llama-eager --case inference:1x128 \\
-        --modes "inductor-ro,kpt[ro],kpt[ro-fusion]" [--top 15] [--out DIR]     (CUDA only)
+        --modes "inductor-ro,kpt[ro],kpt[ro-no-fusion]" [--top 15] [--out DIR]     (CUDA only)
 
 For each mode the case is compiled, warmed up, and a few steps are profiled (CPU and CUDA activities; kernels
 replayed from CUDA graphs are included). Printed per mode: host wall time per step (synchronized), device time

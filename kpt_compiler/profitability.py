@@ -10,9 +10,14 @@ A pass asks ``decide(ctx, candidate)`` before each rewrite. How it answers is th
   ``~/.cache/kernelpytorch/decisions.json``) keyed by device, kind, shapes, dtypes and our kernel's source, so
   a later compile reuses it;
 - ``"auto"``: a decision cached for the same key if there is one, else the cost model: on CUDA, the
-  speed-up over Inductor that ``benchmarks/bench_<kernel>.py`` measured at the nearest calibrated shape (in
-  log space of M, K, N), taken when it is at least ``MARGIN``; for a kind with no calibration yet, from
-  ``min_rows`` rows up. On the CPU never, since our kernels run their eager reference there.
+  device-time speed-up over Inductor measured at the nearest calibrated shape (in log space of M, K, N),
+  taken when it is at least ``MARGIN``; for a kind with no calibration yet, from ``min_rows`` rows up. On
+  the CPU never, since our kernels run their eager reference there.
+  Without CUDA graphs the host's cost of issuing each call counts too: where the candidate carries
+  ``host_us`` (ours, Inductor's, per call) and ``device_us`` (Inductor's device time per call, estimated),
+  each side costs the larger of its host and device time (a call is as slow as the slower of issuing it and
+  running it) and the ratio of those decides. At decode sizes that is host time, and a kernel that is faster
+  on the device but slower to issue makes a model without CUDA graphs slower.
 
 Every answer comes with the figures or the rule behind it, which the pass writes into the report.
 """
@@ -47,7 +52,9 @@ class Candidate:
     baseline_ms: Callable[[], float] | None = None  # Inductor's best case in ms ("measure")
     source: object = None  # the module or function whose source keys the cache
     mkn: tuple[int, int, int] | None = None  # the GEMM's M, K, N, for the calibrated cost model
-    calibration: tuple = ()  # ((M, K, N, ours_vs_inductor), ...) measured on the card the model is for
+    calibration: tuple = ()  # ((M, K, N, ours_vs_inductor), ...) device time, measured on the model's card
+    host_us: tuple[float, float] | None = None  # (ours, Inductor's) host time per call; None under CUDA graphs
+    device_us: float | None = None  # Inductor's device time per call (an estimate), for weighing host_us
 
 
 MARGIN = 1.03  # below this a measured win is within run-to-run noise
@@ -121,8 +128,16 @@ def decide(how: str, c: Candidate) -> Decision:
             return sum((math.log2(max(a, 1)) - math.log2(max(b, 1))) ** 2 for a, b in zip(point[:3], c.mkn))
 
         M, K, N, speedup = min(c.calibration, key=distance)
-        return Decision(speedup >= MARGIN, f"cost model: {speedup:.2f}x over Inductor measured at M,K,N="
-                                           f"{M},{K},{N}, the nearest calibrated shape (needs {MARGIN}x)")
+        why = f"cost model: {speedup:.2f}x over Inductor's device time measured at M,K,N={M},{K},{N}, the nearest " \
+              f"calibrated shape"
+        if c.host_us is not None and c.device_us is not None:
+            ours_host, their_host = c.host_us
+            ours_device = c.device_us / speedup
+            ours, theirs = max(ours_host, ours_device), max(their_host, c.device_us)
+            speedup = theirs / ours
+            why += (f"; issued without CUDA graphs, per call ours max(host {ours_host:.0f}, device {ours_device:.0f}) "
+                    f"us, Inductor max(host {their_host:.0f}, device {c.device_us:.0f}) us: {speedup:.2f}x")
+        return Decision(speedup >= MARGIN, f"{why} (needs {MARGIN}x)")
     if c.rows >= c.min_rows:
         return Decision(True, f"cost model: {c.rows} rows >= {c.min_rows}")
     return Decision(False, f"cost model: {c.rows} rows < {c.min_rows} (launch-bound; Inductor's own is as fast)")

@@ -38,31 +38,65 @@ from kpt_compiler.graph_utils import drop_unused
 from kpt_compiler.pipeline import PassContext, graph_pass
 from kpt_compiler.profitability import Candidate, decide
 
-# The cost model (kpt_compiler/profitability.py): ours against Inductor, (M, K, N, speed-up), bf16, measured
-# on an NVIDIA H100 80GB HBM3 on 2026-11-26 by `python -m benchmarks.bench_gated_linear` and
-# `python -m benchmarks.bench_linear_epilogue --activation gelu_tanh` (results under benchmarks/results/):
-# "launches" is the plain-call column (a model compiled without CUDA graphs pays the op's host costs too),
-# "cuda_graphs" the device time of CUDA-graph replays (modes that capture the model: host costs vanish).
+# The cost model (kpt_compiler/profitability.py): ours against Inductor in device time (CUDA-graph replays),
+# (M, K, N, speed-up), bf16, on an NVIDIA H100 80GB HBM3, 2026-11-26: `python -m benchmarks.bench_gated_linear`
+# and `python -m benchmarks.bench_linear_epilogue --activation gelu_tanh` (results under benchmarks/results/),
+# and linear_epilogue's point at 128 x 1024 x 1024 from the zoo Llama's profile under CUDA graphs, fusion on and
+# off (`python -m benchmarks.profile_case --model llama-eager --case inference:1x128`, saved as
+# 2026-11-26-profile-llama-1x128.json: 7.7 us per call against cuBLAS's 5.2 us; there the gated kernel took
+# 9.4 us against 13.1 us for two cuBLAS GEMMs and Inductor's silu-mul, as its bench says).
 CALIBRATION = {
-    "gated_linear": {
-        "launches": ((4096, 4096, 4096, 0.86), (8192, 8192, 8192, 0.86), (8192, 4096, 14336, 0.87),
-                     (8192, 1024, 2816, 1.05), (128, 4096, 4096, 1.12), (1, 4096, 4096, 1.25)),
-        "cuda_graphs": ((4096, 4096, 4096, 0.88), (8192, 8192, 8192, 0.87), (8192, 4096, 14336, 0.87),
-                        (8192, 1024, 2816, 1.06), (128, 4096, 4096, 1.07), (1, 4096, 4096, 1.27)),
-    },
-    "linear_epilogue": {
-        "launches": ((4096, 4096, 4096, 1.02), (8192, 8192, 8192, 1.01), (8192, 4096, 14336, 1.05),
-                     (8192, 1024, 2816, 0.67), (128, 4096, 4096, 0.97), (1, 4096, 4096, 0.94)),
-        "cuda_graphs": ((4096, 4096, 4096, 1.10), (8192, 8192, 8192, 1.01), (8192, 4096, 14336, 1.03),
-                        (8192, 1024, 2816, 0.73), (128, 4096, 4096, 1.08), (1, 4096, 4096, 0.76)),
-    },
+    "gated_linear": ((4096, 4096, 4096, 1.09), (8192, 8192, 8192, 1.05), (8192, 4096, 14336, 1.06),
+                     (8192, 1024, 2816, 1.39), (128, 4096, 4096, 1.08), (1, 4096, 4096, 1.25),
+                     (128, 1024, 1024, 1.24), (128, 1024, 2816, 1.41), (128, 2816, 1024, 0.90)),
+    "linear_epilogue": ((4096, 4096, 4096, 1.10), (8192, 8192, 8192, 1.01), (8192, 4096, 14336, 1.03),
+                        (8192, 1024, 2816, 0.73), (128, 4096, 4096, 1.08), (1, 4096, 4096, 0.76),
+                        (128, 1024, 1024, 0.68)),
+    # an epilogue without activation (bias and/or residual only) against the GEMM alone: cuBLAS adds a bias
+    # in its own epilogue and Inductor folds a residual add into the kernel after (the next norm), so the
+    # unfused side is one cuBLAS call (bench_linear_epilogue's "ours / cuBLAS" column)
+    # the horizontal rule on the zoo Llama's q, k, v projections (K=1024, N=1024+256+256): one GEMM over the
+    # weights concatenated on every call against three (bench_dispatch, Inductor's marginal device time)
+    "horizontal": ((1, 1024, 1536, 1.81), (128, 1024, 1536, 1.74)),
+    "linear_epilogue_vs_gemm": ((4096, 4096, 4096, 0.91), (8192, 8192, 8192, 0.96), (8192, 4096, 14336, 0.87),
+                                (8192, 1024, 2816, 0.47), (128, 4096, 4096, 0.94), (1, 4096, 4096, 0.67),
+                                (128, 1024, 1024, 0.68)),
 }
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that capture CUDA graphs
 
+# Host time per call in microseconds, (ours, Inductor's), for modes without CUDA graphs: `python -m
+# benchmarks.bench_dispatch` on the H100 machine's host, 2026-11-26, M=128 (host time hardly depends on M).
+# The host figures move by 10-20% between runs of that command; the decisions they drive differ by more.
+# Ours is the *_inference op (graphs without gradients; the autograd op costs more), Inductor's the marginal
+# cost of the unfused calls inside a compiled graph: two GEMMs and a pointwise kernel for gated; a GEMM and a
+# pointwise kernel for an epilogue with activation, the GEMM alone without.
+HOST_US = {
+    "gated_linear": (50.2, 42.4),
+    "linear_epilogue": (62.8, 26.0),
+    "linear_epilogue_vs_gemm": (62.8, 19.9),
+    "horizontal": (40.4, 49.6),  # the concatenation and one GEMM against three GEMMs
+}
+# Inductor's device time per call, estimated for weighing the host times: the GEMMs at PEAK_TFLOPS or their
+# bytes at COPY_TBPS, whichever is slower, plus KERNEL_FLOOR_US per kernel (a cuBLAS GEMM at 128 x 1024 x 1024
+# takes 3.7 us, its bytes 0.7 us). H100 figures from ../ANCHORS.md and bench_dispatch.
+PEAK_TFLOPS, COPY_TBPS, KERNEL_FLOOR_US = 700.0, 3.0, 3.0
 
-def calibration(kind: str, mode: str) -> tuple:
-    """The calibrated points for a kind under a compile mode (empty: the kind has none)."""
-    return CALIBRATION.get(kind, {}).get("cuda_graphs" if mode in CUDA_GRAPH_MODES else "launches", ())
+
+def calibration(kind: str) -> tuple:
+    """The calibrated device-time points of a kind (empty: the kind has none)."""
+    return CALIBRATION.get(kind, ())
+
+
+def host_costs(kind: str, mode: str) -> tuple[float, float] | None:
+    """(ours, Inductor's) host microseconds per call, which count only where no CUDA graph replays the calls."""
+    return None if mode in CUDA_GRAPH_MODES else HOST_US.get(kind)
+
+
+def inductor_device_us(rows: int, K: int, Ns: list[int], kernels: int, extra_bytes: int = 0) -> float:
+    """Inductor's device time per call, estimated (see PEAK_TFLOPS): GEMMs [rows, K] x [K, N] in bf16."""
+    flops = 2 * rows * K * sum(Ns)
+    nbytes = 2 * (rows * K + sum(Ns) * K + rows * sum(Ns)) + extra_bytes
+    return max(flops / (PEAK_TFLOPS * 1e6), nbytes / (COPY_TBPS * 1e6)) + KERNEL_FLOOR_US * kernels
 
 
 # Kinds without a calibration: taken from this many rows up (the norms: never, until one beats Inductor).
@@ -93,7 +127,7 @@ def _activation(node: Any) -> str | None:
 
 
 @graph_pass("fusion", summary="GEMM epilogues, gated MLPs, residual+norm, q/k/v projections, conv+bn -> fused",
-            stage="pre_aot", options=FusionOptions, default=False,
+            stage="pre_aot", options=FusionOptions, default=True,
             statistics=("matches", "near_misses", "conv_bn", "norm", "gated", "epilogue", "horizontal"),
             supports=lambda target, options: "XLA fuses for itself" if target.device == "xla" else None)
 def fuse(gm: fx.GraphModule, ctx: PassContext) -> bool:
@@ -119,6 +153,13 @@ def _one_user(node: fx.Node) -> bool:
     return len(node.users) == 1
 
 
+def _needs_grad(node: fx.Node) -> bool:
+    """Whether a gradient flows through ``node`` (training). Where none does, the rules emit the kernels'
+    ``*_inference`` ops, which skip the custom op's Python autograd layer (host time; see linear_epilogue)."""
+    v = _val(node)
+    return not isinstance(v, torch.Tensor) or v.requires_grad
+
+
 def _rows(x: fx.Node) -> int | None:
     v = _val(x)
     if not isinstance(v, torch.Tensor) or not all(isinstance(s, int) for s in v.shape) or v.dim() < 1:
@@ -127,14 +168,29 @@ def _rows(x: fx.Node) -> int | None:
 
 
 def _ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes: dict, ours=None,
-         baseline_ms=None, source=None) -> bool:
+         baseline_ms=None, source=None, table: str | None = None, gemm_ns: list[int] | None = None,
+         unfused_kernels: int = 1) -> bool:
+    """Whether to rewrite (profitability.decide). ``table``: the calibration and host-cost entry (default
+    ``kind``); ``gemm_ns`` and ``unfused_kernels``: the GEMMs' N and the kernel count on Inductor's side, for
+    its estimated device time (weighed against host times without CUDA graphs)."""
     rows, v = _rows(x), _val(x)
     if rows is None:
         ctx.near_miss(f"{node.name}: {kind} with dynamic shapes (the decision needs sizes)")
         return False
-    mkn = (rows, shapes["K"], shapes["N"]) if isinstance(shapes.get("N"), int) and "K" in shapes else None
+    if how != "always" and _needs_grad(node):
+        # the calibration and the measured decisions time forward passes; in training the backward weighs as
+        # much (ours recomputes its GEMMs), and the H100 suite had the Llama training step slower with fusion
+        ctx.near_miss(f"{node.name}: {kind} in a training graph: the cost model covers the forward only "
+                      "(decide='always' takes it)")
+        return False
+    table = table or kind
+    N = sum(shapes["N"]) if isinstance(shapes.get("N"), list) else shapes.get("N")  # horizontal: the fused N
+    mkn = (rows, shapes["K"], N) if isinstance(N, int) and "K" in shapes else None
+    host = host_costs(table, ctx.mode)
+    device_us = inductor_device_us(rows, shapes["K"], gemm_ns, unfused_kernels) if host and gemm_ns else None
     d = decide(how, Candidate(kind, rows, shapes, v.dtype, v.device, MIN_ROWS[kind], ours, baseline_ms, source,
-                              mkn, calibration(kind, ctx.mode) if v.dtype == torch.bfloat16 else ()))
+                              mkn, calibration(table) if v.dtype == torch.bfloat16 else (),
+                              host if device_us is not None else None, device_us))
     if not d.rewrite:
         ctx.near_miss(f"{node.name}: {kind} not faster here ({d.why})")
     else:
@@ -326,10 +382,12 @@ def _gated(gm, node, ctx, how):  # act(linear(x, Wg)) * linear(x, Wu) -> gated_l
             return lambda: kernel.gated_linear(*t, name)
         if not _ask(ctx, how, node, "gated_linear", x, {"K": K, "N": N, "act": name},
                     ours=ours() if how == "measure" else None, source=kernel,
-                    baseline_ms=_gemm_baseline(device, rows or 0, K, [N, N], dtype, 3 * (rows or 0) * N * 2)):
+                    baseline_ms=_gemm_baseline(device, rows or 0, K, [N, N], dtype, 3 * (rows or 0) * N * 2),
+                    gemm_ns=[N, N], unfused_kernels=3):
             return False
         with gm.graph.inserting_before(node):
-            new = _emit(gm, kernel.gated_linear, (x, wg, wu, name), like=node)
+            op = kernel.gated_linear if _needs_grad(node) else torch.ops.kpt.gated_linear_inference.default
+            new = _emit(gm, op, (x, wg, wu, name), like=node)
         _replace(node, new)
         ctx.count()
         ctx.count("gated")
@@ -367,10 +425,13 @@ def _epilogue(gm, node, ctx, how):  # act(linear(x, W, b)) + r -> linear_epilogu
     if not _ask(ctx, how, last, "linear_epilogue", x, {"K": K, "N": N, "act": act, "bias": bias is not None,
                                                        "residual": residual is not None},
                 ours=ours() if how == "measure" else None, source=kernel,
-                baseline_ms=_gemm_baseline(device, rows or 0, K, [N], dtype, epilogue)):
+                baseline_ms=_gemm_baseline(device, rows or 0, K, [N], dtype, epilogue),
+                table="linear_epilogue" if act != "none" else "linear_epilogue_vs_gemm", gemm_ns=[N],
+                unfused_kernels=2 if act != "none" else 1):
         return False
     with gm.graph.inserting_before(last):
-        new = _emit(gm, kernel.linear_epilogue, (x, w, bias, residual, act), like=last)
+        op = kernel.linear_epilogue if _needs_grad(last) else torch.ops.kpt.linear_epilogue_inference.default
+        new = _emit(gm, op, (x, w, bias, residual, act), like=last)
     _replace(last, new)
     ctx.count()
     ctx.count("epilogue")
@@ -404,7 +465,8 @@ def _horizontal(gm, x, ctx, how):  # linear(x, W1), linear(x, W2), ... -> split(
             return lambda: F.linear(xs, torch.cat(ws))
         if not _ask(ctx, how, first, "horizontal", x, {"K": K, "N": Ns},
                     ours=ours() if how == "measure" else None, source=_horizontal,
-                    baseline_ms=_gemm_baseline(device, rows or 0, K, Ns, dtype, 0)):
+                    baseline_ms=_gemm_baseline(device, rows or 0, K, Ns, dtype, 0), gemm_ns=Ns,
+                    unfused_kernels=len(Ns)):
             continue
         with gm.graph.inserting_before(first):
             w = _emit(gm, torch.cat, ([ir.arg(m, "weight") for m in group], 0), like=first)
