@@ -58,7 +58,7 @@ def main(argv=None) -> int:
             w = (1 + 0.1 * torch.randn(N, device="cuda", generator=g)).bfloat16()
             return [x, r, w, (0.1 * torch.randn(N, device="cuda", generator=g)).bfloat16()]
 
-        fwd_bytes, bwd_bytes = _bytes(rows_, N, 2, n_params=2, n_stats=2)
+        fwd_bytes, bwd_bytes = _bytes(rows_, N, 2, n_params=2, n_stats=2, per_sm=2)
         impls = {"ours": _ours, "eager": unfused, "inductor": unfused}
         for row in time_case(impls, make_inputs, fwd_bytes, bwd_bytes, args.rep_ms):
             rows.append({"shape": [rows_, N], "variant": "F.layer_norm", **row})

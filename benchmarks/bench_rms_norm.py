@@ -55,14 +55,15 @@ def _ours(variant):
     return lambda x, r, w: add_rms_norm(x, r, w, EPS, variant == "hf")
 
 
-def _bytes(rows: int, N: int, elem: int, n_params: int, n_stats: int) -> tuple[int, int]:
-    """(forward, backward) bytes needed for rows x N with ``n_params`` [N] parameters and fp32 row statistics."""
+def _bytes(rows: int, N: int, elem: int, n_params: int, n_stats: int, per_sm=None) -> tuple[int, int]:
+    """(forward, backward) bytes needed for rows x N with ``n_params`` [N] parameters and fp32 row statistics
+    (``per_sm``: the backward's programs per SM, as the kernel's launcher passes it to backward_grid)."""
     from kpt_compiler.kernels.rms_norm import backward_grid, launch_config
 
     act = rows * N * elem
     forward = 2 * act + n_params * N * elem + 2 * act  # read x, residual, parameters; write h, y
     BLOCK_M, _, num_warps = launch_config(rows, N, torch.device("cuda"))
-    programs, _ = backward_grid(rows, BLOCK_M, num_warps, torch.device("cuda"))
+    programs, _ = backward_grid(rows, BLOCK_M, num_warps, torch.device("cuda"), per_sm=per_sm)
     backward = (3 * act + n_params * N * elem + n_stats * rows * 4  # read dy, dh, h, parameters, statistics
                 + act + n_params * programs * N * 4)  # write dx and the fp32 partials of each parameter gradient
     return forward, backward

@@ -194,7 +194,11 @@ def _backward(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tens
         return (dx, h.new_zeros(N if weight_grad else 0, dtype=torch.float32),
                 h.new_zeros(N if bias_grad else 0, dtype=torch.float32))
     BLOCK_M, BLOCK_N, num_warps = launch_config(M, N, h.device)
-    programs, tiles = backward_grid(M, BLOCK_M, num_warps, h.device)
+    # two programs per SM, twice the warps from 8192 columns: a sweep on the H100 (2026-11-26, over 1-8
+    # programs per SM and 1-2x the warps; an uncommitted script) took the backward from 36/60/66% of copy
+    # bandwidth to 50/69/76% at 8192x1024, 8192x4096 and 16384x8192 (benchmarks/bench_layer_norm.py)
+    num_warps = min(32, num_warps * 2) if BLOCK_N >= 8192 else num_warps
+    programs, tiles = backward_grid(M, BLOCK_M, num_warps, h.device, per_sm=2)
     dw = torch.empty((programs, N) if weight_grad else (0,), dtype=torch.float32, device=h.device)
     db = torch.empty((programs, N) if bias_grad else (0,), dtype=torch.float32, device=h.device)
     _add_layer_norm_bwd_kernel[(programs,)](

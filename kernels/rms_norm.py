@@ -110,7 +110,8 @@ def launch_config(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
     return BLOCK_M, BLOCK_N, num_warps
 
 
-def backward_grid(M: int, BLOCK_M: int, num_warps: int, device: torch.device) -> tuple[int, int]:
+def backward_grid(M: int, BLOCK_M: int, num_warps: int, device: torch.device,
+                  per_sm: Optional[int] = None) -> tuple[int, int]:
     """(programs, TILES tiles of BLOCK_M rows per program) for a backward kernel.
 
     Each program loops over its tiles and writes one row of weight-gradient partials, so a few programs per
@@ -118,7 +119,8 @@ def backward_grid(M: int, BLOCK_M: int, num_warps: int, device: torch.device) ->
     (Triton 3.5's interpreter cannot loop to a run-time bound), and powers of two keep the variants few.
     On the CPU (the interpreter) two programs, so that tests cover the loop and the partial sums.
     """
-    target = sm_count(device) * max(1, 32 // num_warps) if device.type == "cuda" else 2
+    per_sm = per_sm or max(1, 32 // num_warps)  # programs per SM
+    target = sm_count(device) * per_sm if device.type == "cuda" else 2
     tiles = triton.next_power_of_2(triton.cdiv(triton.cdiv(M, BLOCK_M), target))
     return triton.cdiv(M, tiles * BLOCK_M), tiles
 
