@@ -208,8 +208,9 @@ _linear_epilogue_autotuned = triton.autotune(
 # move between global and shared memory through TMA descriptors (which also zero-fill reads and clip writes
 # past the edges, so no masks), and the pipelining is flattened over the tile and K loops, so the next
 # tile's loads overlap this tile's epilogue. EPILOGUE_SUBTILE stores the output in two halves, which frees
-# shared memory for a deeper pipeline. (gated_linear keeps its pointer kernel: a gated form of this one, with
-# two accumulators, measured 2-5% slower than it on the H100.) The descriptors are built on the
+# shared memory for a deeper pipeline. GATED is gated_linear's form: one 3-D descriptor over both weights (see
+# launch_tma_gated), so the tile and the pipeline are this kernel's (a form with two descriptors and two
+# accumulators measured 2-5% slower than the pointer kernel on the H100). The descriptors are built on the
 # host (``TensorDescriptor``; built on the device with ``tl.make_tensor_descriptor`` the kernel measured
 # slower on the H100, 2026-11-26). Building and encoding them costs tens of microseconds per launch, so the
 # op takes this kernel only for GEMMs large enough to hide that (``TMA_MIN_M`` rows), on a device with TMA
