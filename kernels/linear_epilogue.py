@@ -199,6 +199,27 @@ _linear_epilogue_autotuned = triton.autotune(
 )(_linear_epilogue_kernel)
 
 
+# (kernel, the autotuner's key) -> the launch keywords of the config it chose. Triton's Autotuner rebuilds its
+# key, looks it up and merges the config's keywords on every call: on the H100 machine's host our launcher
+# issued a decode-size call in 39-43 us through the autotuner and 28-30 us with the config passed in (the
+# first benchmarks/bench_dispatch.py run, commit ef9723f). After the first call with a key, ``launch_tuned``
+# launches the kernel with the chosen config directly.
+_chosen: dict = {}
+
+
+def launch_tuned(autotuned, kernel, key: tuple, grid, args: tuple, meta: dict) -> dict:
+    """``autotuned[grid](*args, **meta)``: the first call with ``key`` autotunes, later ones launch ``kernel``
+    with the config chosen then. ``key`` must hold everything the autotuner keys on (its key arguments and the
+    tensors' dtypes), or a config tuned for one case would run another. Returns the config's keywords."""
+    config = _chosen.get((kernel, key))
+    if config is None:
+        autotuned[grid](*args, **meta)
+        config = _chosen[(kernel, key)] = autotuned.best_config.all_kwargs()
+        return config
+    kernel[grid(config) if callable(grid) else grid](*args, **meta, **config)
+    return config
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Hopper (and later): persistent kernel with tensor-memory-accelerator (TMA) loads and stores
 # ---------------------------------------------------------------------------------------------------------
@@ -449,26 +470,6 @@ def input_precision(dtype: torch.dtype) -> str:
 
 def launch_grid(M: int, N: int):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
-
-
-# (kernel, the autotuner's key) -> the launch keywords of the config it chose. Triton's Autotuner rebuilds its
-# key, looks it up and merges the config's keywords on every call; at decode sizes that is a sixth of the op's
-# host time on the H100 machine (benchmarks/bench_dispatch.py, "launch" against "kernel"). After the first
-# call with a key, ``launch_tuned`` launches the kernel with the chosen config directly.
-_chosen: dict = {}
-
-
-def launch_tuned(autotuned, kernel, key: tuple, grid, args: tuple, meta: dict) -> dict:
-    """``autotuned[grid](*args, **meta)``: the first call with ``key`` autotunes, later ones launch ``kernel``
-    with the config chosen then. ``key`` must hold everything the autotuner keys on (its key arguments and the
-    tensors' dtypes), or a config tuned for one case would run another. Returns the config's keywords."""
-    config = _chosen.get((kernel, key))
-    if config is None:
-        autotuned[grid](*args, **meta)
-        config = _chosen[(kernel, key)] = autotuned.best_config.all_kwargs()
-        return config
-    kernel[grid(config) if callable(grid) else grid](*args, **meta, **config)
-    return config
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], res2: Optional[torch.Tensor],
