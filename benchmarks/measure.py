@@ -13,10 +13,30 @@ import torch
 import torch.nn.functional as F
 
 import kpt_compiler
-from kpt_compiler.bench import first_tensor, peak_memory, relative_error, timing_ms
+from kpt_compiler.bench import Timing, first_tensor, peak_memory, relative_error, timing_ms
 from kpt_compiler.models.zoo import build
 
 from .zoo import Case, Entry
+
+
+# A row whose spread, (p80 - p20) / median, is above NOISY is timed again, at most RETRIES more times, and the
+# steadiest run is kept. Launch-bound rows (small models without CUDA graphs) moved by 20-48% between runs
+# on the H100 machine's host (2026-11-26 suites), too much to rank kernelpytorch against Inductor.
+NOISY = 0.10
+RETRIES = 2
+
+
+def steady_timing(step: Callable[[], Any], device: str, rep_ms: float, noisy: float = NOISY,
+                  retries: int = RETRIES) -> tuple[Timing, int]:
+    """(the steadiest of up to 1 + ``retries`` timings of ``step``, how many extra timings it took)."""
+    best = timing_ms(step, device, warmup_ms=rep_ms / 5, rep_ms=rep_ms)
+    extra = 0
+    while best.noise > noisy and extra < retries:
+        extra += 1
+        again = timing_ms(step, device, warmup_ms=rep_ms / 5, rep_ms=rep_ms)
+        if again.noise < best.noise:
+            best = again
+    return best, extra
 
 
 def uses_cudagraphs(kwargs: dict[str, Any] | None) -> bool:
@@ -90,7 +110,7 @@ def _measure(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Cas
         first_s = time.perf_counter() - t0
         rel_err = relative_error(out, ref.to(device))
         del out
-        timing = timing_ms(step, device, warmup_ms=rep_ms / 5, rep_ms=rep_ms)
+        timing, retimed = steady_timing(step, device, rep_ms)
         peak = peak_memory(step, device)
     return {
         "compile_s": round(first_s, 3) if compile_kwargs else None,
@@ -98,6 +118,7 @@ def _measure(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Cas
         "p20_ms": timing.p20,
         "p80_ms": timing.p80,
         "noise": timing.noise,
+        "retimed": retimed,
         "peak_mib": round(peak / 2**20, 1) if peak is not None else None,
         "rel_err": rel_err,
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] if compile_kwargs else None,

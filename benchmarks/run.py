@@ -131,7 +131,9 @@ def _meta(args: argparse.Namespace, command: str, device: str, modes: list[str],
         "modes": modes,
         "option_sets": OPTION_SETS,
         "timing": (f"triton.testing.do_bench (CUDA events, L2 flushed), {rep_ms:g} ms per row; median, p20, p80"
-                   if device == "cuda" else f"wall clock after warm-up, {rep_ms:g} ms per row; median, p20, p80"),
+                   if device == "cuda" else f"wall clock after warm-up, {rep_ms:g} ms per row; median, p20, p80")
+                  + f"; a row with noise over {measure.NOISY:.0%} is timed again, up to {measure.RETRIES} more "
+                    "times, and the steadiest timing is kept",
         "caches": "Inductor FX-graph cache and AOTAutograd cache off; each compiled mode starts from a fresh "
                   "Inductor/Triton cache directory: compile s is a real compile"
                   + (" (after a warm-up compile that takes the process's one-time costs)" if device == "cuda" else ""),

@@ -149,3 +149,26 @@ def test_compare_of_an_unchanged_run_flags_nothing(tmp_path, capsys):
     code, out = _compare(tmp_path, capsys, rows, rows)
     assert code == 0
     assert out.strip() == "no regressions"
+
+
+def test_a_noisy_row_is_timed_again_and_the_steadiest_timing_kept(monkeypatch):
+    from benchmarks import measure
+    from kpt_compiler.bench import Timing
+
+    def runs(*timings):
+        it = iter(timings)
+        calls = []
+
+        def fake(step, device, warmup_ms, rep_ms):
+            calls.append(rep_ms)
+            return next(it)
+        monkeypatch.setattr(measure, "timing_ms", fake)
+        return calls
+
+    steady, noisy, noisier = Timing(1.0, 0.99, 1.01), Timing(1.2, 0.9, 1.5), Timing(1.0, 0.6, 1.6)
+    calls = runs(steady)
+    assert measure.steady_timing(None, "cpu", 50) == (steady, 0) and len(calls) == 1
+    calls = runs(noisy, noisier, steady, steady)
+    assert measure.steady_timing(None, "cpu", 50) == (steady, 2) and len(calls) == 3
+    calls = runs(noisier, noisy, noisier, steady)  # retries spent: the steadiest of the three, though noisy
+    assert measure.steady_timing(None, "cpu", 50, retries=2) == (noisy, 2) and len(calls) == 3
