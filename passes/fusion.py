@@ -17,8 +17,8 @@ gives the backward, as for the attention pass). Rules, in the order they run::
 
 On by default (``options={"fusion": False}`` turns it off). On the H100 (2026-11-26, README) it takes the zoo
 Llama from 4.91 to 4.53 ms at 8x1024 and, under CUDA graphs, from 0.553 to 0.463 ms at 1x128, BERT from 7.26
-to 7.03 ms, and leaves every other zoo row within noise. It stays out of training graphs unless ``decide="always"``: its calibration
-times forward passes, and a Llama training step measured slower with it.
+to 7.03 ms, and leaves every other zoo row within noise. It stays out of training graphs unless
+``decide="always"``: its calibration times forward passes, and a Llama training step measured slower with it.
 Each GEMM and norm rewrite is taken only when ``kpt_compiler.profitability.decide`` says ours is faster
 for that shape, dtype and device (``decide`` option: "auto", "measure", "always"; see that module); the report
 notes every decision with its figures. The conv_bn rule removes work outright (a pass over the activations)
@@ -54,12 +54,12 @@ CALIBRATION = {
     "linear_epilogue": ((4096, 4096, 4096, 1.10), (8192, 8192, 8192, 1.01), (8192, 4096, 14336, 1.03),
                         (8192, 1024, 2816, 0.73), (128, 4096, 4096, 1.08), (1, 4096, 4096, 0.76),
                         (128, 1024, 1024, 0.68)),
-    # an epilogue without activation (bias and/or residual only) against the GEMM alone: cuBLAS adds a bias
-    # in its own epilogue and Inductor folds a residual add into the kernel after (the next norm), so the
-    # unfused side is one cuBLAS call (bench_linear_epilogue's "ours / cuBLAS" column)
     # the horizontal rule on the zoo Llama's q, k, v projections (K=1024, N=1024+256+256): one GEMM over the
     # weights concatenated on every call against three (bench_dispatch, Inductor's marginal device time)
     "horizontal": ((1, 1024, 1536, 1.81), (128, 1024, 1536, 1.74)),
+    # an epilogue without activation (bias and/or residual only) against the GEMM alone: cuBLAS adds a bias
+    # in its own epilogue and Inductor folds a residual add into the kernel after (the next norm), so the
+    # unfused side is one cuBLAS call (bench_linear_epilogue's "ours / cuBLAS" column)
     "linear_epilogue_vs_gemm": ((4096, 4096, 4096, 0.91), (8192, 8192, 8192, 0.96), (8192, 4096, 14336, 0.87),
                                 (8192, 1024, 2816, 0.47), (128, 4096, 4096, 0.94), (1, 4096, 4096, 0.67),
                                 (128, 1024, 1024, 0.68)),
@@ -94,10 +94,10 @@ def host_costs(kind: str, mode: str) -> tuple[float, float] | None:
     return None if mode in CUDA_GRAPH_MODES else HOST_US.get(kind)
 
 
-def inductor_device_us(rows: int, K: int, Ns: list[int], kernels: int, extra_bytes: int = 0) -> float:
+def inductor_device_us(rows: int, K: int, Ns: list[int], kernels: int) -> float:
     """Inductor's device time per call, estimated (see PEAK_TFLOPS): GEMMs [rows, K] x [K, N] in bf16."""
     flops = 2 * rows * K * sum(Ns)
-    nbytes = 2 * (rows * K + sum(Ns) * K + rows * sum(Ns)) + extra_bytes
+    nbytes = 2 * (rows * K + sum(Ns) * K + rows * sum(Ns))
     return max(flops / (PEAK_TFLOPS * 1e6), nbytes / (COPY_TBPS * 1e6)) + KERNEL_FLOOR_US * kernels
 
 

@@ -278,7 +278,27 @@ def test_a_kernel_faster_on_the_device_but_slower_to_issue_loses_only_where_laun
     assert 10 < est < 17, est  # bench_dispatch measured Inductor's three kernels at 13.3 us on the H100
 
 
-def test_an_epilogue_without_activation_is_weighed_against_the_gemm_alone():
+@pytest.mark.parametrize("act, table", [(None, "linear_epilogue_vs_gemm"), (F.gelu, "linear_epilogue")])
+def test_an_epilogue_without_activation_is_weighed_against_the_gemm_alone(monkeypatch, act, table):
+    """Inductor folds a bias into cuBLAS and a residual add into the next kernel: with no activation the
+    rule must ask with the table and host costs of the GEMM alone (where ours never wins)."""
+    from kpt_compiler import profitability
     from kpt_compiler.passes import fusion
 
+    asked = []
+
+    def record(how, c):
+        asked.append(c)
+        return profitability.Decision(False, "recorded")
+    monkeypatch.setattr(fusion, "decide", record)
+
+    def layer(x, w, b, r):
+        y = F.linear(x, w, b)
+        return (act(y) if act else y) + r
+
+    bf16 = [t.bfloat16() for t in (_randn(M, K), _randn(N, K, seed=1), _randn(N, seed=2), _randn(M, N, seed=3))]
+    with torch.no_grad():
+        _compile(layer, {"fusion": True})(*bf16)
+    (c,) = [c for c in asked if c.kind == "linear_epilogue"]
+    assert c.calibration == fusion.calibration(table) and c.host_us == fusion.HOST_US[table]
     assert all(speedup < 1 for *_, speedup in fusion.calibration("linear_epilogue_vs_gemm"))
