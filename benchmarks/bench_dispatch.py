@@ -13,6 +13,8 @@ divided by their number; the device keeps up at these shapes) and the device tim
   - op: the custom op with autograd (torch.ops.kpt.<name>), as a training graph calls it;
   - inference: torch.ops.kpt.<name>_inference, which the fusion pass emits where no gradient flows;
   - launch: our launcher alone (argument checks, the chosen config, the Triton launch);
+  - inductor+inference, inductor+triton: the inference op and the triton_op form (torch.ops.kpt.<name>_triton,
+    which Inductor traces and launches as its own kernel) inside an Inductor graph, marginal cost as above;
 under torch.no_grad() at the zoo Llama's decode and prefill sizes (K=1024, N=2816 and 1024). The fusion cost
 model's ``HOST_US`` (passes/fusion.py) comes from this table, and its small-shape horizontal figures.
 """
@@ -33,7 +35,7 @@ from kpt_compiler.kernels import rms_norm as rn
 
 CALLS = 400
 COPIES = 5
-VARIANTS = ("aten", "inductor", "op", "inference", "launch")
+VARIANTS = ("aten", "inductor", "op", "inference", "launch", "inductor+inference", "inductor+triton")
 
 
 def host_us(fn, calls: int = CALLS) -> float:
@@ -78,11 +80,15 @@ def cases(M: int, K: int = 1024, N: int = 2816):
         "op": lambda: torch.ops.kpt.gated_linear(x, wg, wu, "silu"),
         "inference": lambda: torch.ops.kpt.gated_linear_inference(x, wg, wu, "silu"),
         "launch": lambda: gl._launch(x, wg, wu, "silu"),
+        "inductor+inference": lambda x, wg, wu: torch.ops.kpt.gated_linear_inference(x, wg, wu, "silu"),
+        "inductor+triton": lambda x, wg, wu: torch.ops.kpt.gated_linear_triton(x, wg, wu, "silu"),
     }
     yield "linear_epilogue (residual)", lambda x, w, r: F.linear(x, w) + r, outs, {
         "op": lambda: torch.ops.kpt.linear_epilogue(x, wo, None, res, "none"),
         "inference": lambda: torch.ops.kpt.linear_epilogue_inference(x, wo, None, res, "none"),
         "launch": lambda: le._launch(x, wo, None, res, "none"),
+        "inductor+inference": lambda x, w, r: torch.ops.kpt.linear_epilogue_inference(x, w, None, r, "none"),
+        "inductor+triton": lambda x, w, r: torch.ops.kpt.linear_epilogue_triton(x, w, None, r, "none"),
     }
     # what Inductor pays for the GEMM alone, when the residual add folds into the next kernel (a norm)
     yield "linear alone", lambda x, w, r: F.linear(x, w), outs, {}
@@ -102,19 +108,26 @@ def cases(M: int, K: int = 1024, N: int = 2816):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write bench_dispatch.json and .md here")
+    p.add_argument("--rows", default="1,128", help="comma-separated M (default: 1,128)")
+    p.add_argument("--ops", default=None, help="comma-separated op names to keep (default: all)")
     args = p.parse_args(argv)
     if not require_cuda("bench_dispatch"):
         return 2
     meta = run_meta("python -m benchmarks.bench_dispatch")
     rows = []
     with torch.no_grad():
-        for M in (1, 128):
+        for M in (int(m) for m in args.rows.split(",")):
             for name, seq, copies, fns in cases(M):
+                if args.ops and name not in args.ops.split(","):
+                    continue
                 row = {"op": name, "M": M, "host_us": {}, "device_us": {}}
                 row["host_us"]["aten"] = host_us(lambda: seq(*copies[0]))
                 row["device_us"]["aten"] = median_ms(lambda: seq(*copies[0]), "cuda", rep_ms=100, cuda_graph=True) * 1e3
                 row["host_us"]["inductor"], row["device_us"]["inductor"] = inductor_us(seq, copies)
                 for variant, fn in fns.items():
+                    if variant.startswith("inductor+"):  # fn is a sequence to compile, over the copies
+                        row["host_us"][variant], row["device_us"][variant] = inductor_us(fn, copies)
+                        continue
                     row["host_us"][variant] = host_us(fn)
                     row["device_us"][variant] = median_ms(fn, "cuda", rep_ms=100, cuda_graph=True) * 1e3
                 rows.append(row)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from .linear_epilogue import (ACTIVATIONS, HAVE_TRITON, INTERPRETER_META, activation_backward,
                               apply_activation, check_activation, gated_tma_ok, grouped_tile,
                               input_precision, launch_grid, launch_tma_gated, launch_tuned, prune_configs,
-                              tma_ok, use_kernel, use_tma)
+                              tma_ok, use_kernel, use_tma, wrapped_launch)
 
 if HAVE_TRITON:
     import triton
@@ -126,6 +126,15 @@ _gated_linear_autotuned = triton.autotune(
 # ---------------------------------------------------------------------------------------------------------
 # Launcher
 # ---------------------------------------------------------------------------------------------------------
+def _pointer_args(x2, w_gate, w_up, out, activation: str) -> tuple[tuple, dict]:
+    """The pointer kernel's arguments and constexprs for out [M, N] = act(x2 @ w_gate^T) * (x2 @ w_up^T)."""
+    M, K = x2.shape
+    N = w_gate.shape[0]
+    args = (x2, w_gate, w_up, out, M, N, K, x2.stride(0), x2.stride(1), w_gate.stride(0), w_gate.stride(1),
+            w_up.stride(0), w_up.stride(1), out.stride(0), out.stride(1))
+    return args, dict(ACTIVATION=activation, INPUT_PRECISION=input_precision(x2.dtype))
+
+
 def _launch(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str,
             config: Optional[dict] = None, tma: bool = True) -> torch.Tensor:
     """out [M, N] = act(x2 @ w_gate^T) * (x2 @ w_up^T) with the Triton kernel; inputs already checked.
@@ -140,9 +149,7 @@ def _launch(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activati
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0 or N == 0:
         return out
-    args = (x2, w_gate, w_up, out, M, N, K, x2.stride(0), x2.stride(1), w_gate.stride(0), w_gate.stride(1),
-            w_up.stride(0), w_up.stride(1), out.stride(0), out.stride(1))
-    meta = dict(ACTIVATION=activation, INPUT_PRECISION=input_precision(x2.dtype))
+    args, meta = _pointer_args(x2, w_gate, w_up, out, activation)
     config = config or (None if x2.is_cuda else INTERPRETER_META)
     if config is None:
         launch_tuned(_gated_linear_autotuned, _gated_linear_kernel, (M, N, K, x2.dtype), launch_grid(M, N), args,
@@ -228,6 +235,25 @@ _lib = torch.library.Library("kpt", "FRAGMENT")
 _lib.define("gated_linear_inference(Tensor x, Tensor w_gate, Tensor w_up, str activation='silu') -> Tensor")
 _lib.impl("gated_linear_inference", _forward, "CompositeExplicitAutograd")
 torch.library.register_fake("kpt::gated_linear_inference", _fake, lib=_lib)
+
+
+# Inductor's form: torch.ops.kpt.gated_linear_triton, the pointer kernel as a torch.library.triton_op that
+# Inductor traces and launches itself (why, and where the fusion pass emits it: linear_epilogue's
+# linear_epilogue_triton). GEMMs large enough for the TMA kernel call the inference op from inside it.
+def _triton_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    _check(x, w_gate, w_up, activation)
+    K, N = x.shape[-1], w_gate.shape[0]
+    M = x.numel() // K if K else 0
+    if not use_kernel(x) or use_tma(M, 2 * N, K) or M == 0 or N == 0:
+        return torch.ops.kpt.gated_linear_inference(x, w_gate, w_up, activation)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    args, meta = _pointer_args(x.reshape(M, K), w_gate, w_up, out, activation)
+    wrapped_launch(_gated_linear_kernel, CONFIGS, M, x.dtype, launch_grid(M, N), args, meta)
+    return out.view(*x.shape[:-1], N)
+
+
+if HAVE_TRITON:
+    torch.library.triton_op("kpt::gated_linear_triton", mutates_args=())(_triton_forward)
 
 
 def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

@@ -101,9 +101,14 @@ CONFIGS = [
 def prune_configs(configs, named_args, **kwargs):
     """Small-M configs for M <= 64, the others above (both keep the 64-row tiles); half the BLOCK_K for
     float32 inputs, whose tiles take twice the shared memory. (Triton's autotuner keys on the dtypes too.)"""
-    small = named_args["M"] <= 64
+    return kept_configs(configs, named_args["M"], named_args["x_ptr"].element_size())
+
+
+def kept_configs(configs, M: int, element_size: int):
+    """``prune_configs`` for M rows of elements of ``element_size`` bytes."""
+    small = M <= 64
     kept = [c for c in configs if (c.kwargs["BLOCK_M"] <= 64 if small else c.kwargs["BLOCK_M"] >= 64)] or configs
-    if named_args["x_ptr"].element_size() == 4:
+    if element_size == 4:
         kept = [triton.Config({**c.kwargs, "BLOCK_K": max(16, c.kwargs["BLOCK_K"] // 2)}, num_warps=c.num_warps,
                               num_stages=c.num_stages) for c in kept]
     return kept
@@ -472,6 +477,20 @@ def launch_grid(M: int, N: int):
     return lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
 
+def _pointer_args(x2, weight, bias, res2, out, activation: str) -> tuple[tuple, dict]:
+    """The pointer kernel's arguments and constexprs for out [M, N] = act(x2 @ weight^T + bias) + res2.
+    Without a bias or residual, x2 stands in for its pointer (never read: HAS_BIAS / HAS_RESIDUAL)."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    bias_arg = bias.contiguous() if bias is not None else x2
+    res_arg = res2 if res2 is not None else x2
+    args = (x2, weight, bias_arg, res_arg, out, M, N, K, x2.stride(0), x2.stride(1), weight.stride(0),
+            weight.stride(1), res_arg.stride(0), res_arg.stride(1), out.stride(0), out.stride(1))
+    meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None, ACTIVATION=activation,
+                INPUT_PRECISION=input_precision(x2.dtype))
+    return args, meta
+
+
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], res2: Optional[torch.Tensor],
             activation: str, config: Optional[dict] = None) -> torch.Tensor:
     """out [M, N] = act(x2 @ weight^T + bias) + res2 with the Triton kernel; inputs already checked.
@@ -483,15 +502,10 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     if M == 0 or N == 0:
         return out
-    bias_arg = bias.contiguous() if bias is not None else out  # never read without HAS_BIAS
-    res_arg = res2 if res2 is not None else out  # never read without HAS_RESIDUAL
-    args = (x2, weight, bias_arg, res_arg, out, M, N, K, x2.stride(0), x2.stride(1), weight.stride(0),
-            weight.stride(1), res_arg.stride(0), res_arg.stride(1), out.stride(0), out.stride(1))
-    meta = dict(HAS_BIAS=bias is not None, HAS_RESIDUAL=res2 is not None, ACTIVATION=activation,
-                INPUT_PRECISION=input_precision(x2.dtype))
+    args, meta = _pointer_args(x2, weight, bias, res2, out, activation)
     config = config or (None if x2.is_cuda else INTERPRETER_META)
     if config is None and use_tma(M, N, K) and tma_ok(x2, weight, res2, out):
-        launch_tma(x2, weight, bias_arg if bias is not None else None, res2, activation, out=out)
+        launch_tma(x2, weight, args[2] if bias is not None else None, res2, activation, out=out)
     elif config is None:
         launch_tuned(_linear_epilogue_autotuned, _linear_epilogue_kernel, (M, N, K, x2.dtype), launch_grid(M, N),
                      args, meta)
@@ -639,6 +653,58 @@ _lib.define("linear_epilogue_inference(Tensor x, Tensor weight, Tensor? bias=Non
             "str activation='none') -> Tensor")
 _lib.impl("linear_epilogue_inference", _forward, "CompositeExplicitAutograd")
 torch.library.register_fake("kpt::linear_epilogue_inference", _fake, lib=_lib)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inductor's form: torch.ops.kpt.linear_epilogue_triton, the pointer kernel as a torch.library.triton_op
+# ---------------------------------------------------------------------------------------------------------
+# Inside an Inductor graph a custom op is an extern call: the dispatcher, our checks and Triton's Python
+# launcher on every call (50-100 us per call on the H100 machine's host, benchmarks/bench_dispatch.py). A
+# triton_op is traced into the graph instead (AOTAutograd decomposes it), and Inductor compiles and launches
+# the kernel as one of its own. The fusion pass emits this form only where Inductor generates the code for
+# CUDA and no gradient flows: it has no autograd, and the CPU's interpreter cannot run a traced kernel under
+# torch.compile (the module docstring). GEMMs large enough for the TMA kernel call the inference op from
+# inside it (their launch is hidden behind their run time); so do CPU tensors, outside the interpreter.
+_inductor_autotuners: dict = {}
+
+
+def inductor_autotuner(kernel, configs, M: int, dtype: torch.dtype):
+    """The autotuner Inductor sees for ``kernel`` at M rows of ``dtype``: the configs ``prune_configs`` keeps
+    (Inductor autotunes a traced kernel over its ``configs`` and skips ``prune_configs_by``)."""
+    key = (kernel, M <= 64, dtype.itemsize)
+    if key not in _inductor_autotuners:
+        kept = kept_configs(configs, M, dtype.itemsize)
+        _inductor_autotuners[key] = triton.autotune(configs=kept, key=["M", "N", "K"])(kernel)
+    return _inductor_autotuners[key]
+
+
+def wrapped_launch(kernel, configs, M: int, dtype: torch.dtype, grid, args: tuple, meta: dict) -> None:
+    """Launch a pointer kernel from a triton_op: on CUDA its Inductor autotuner (see ``inductor_autotuner``),
+    on the CPU's interpreter ``INTERPRETER_META``."""
+    wrap = torch.library.wrap_triton
+    if args[0].is_cuda:
+        wrap(inductor_autotuner(kernel, configs, M, dtype))[grid](*args, **meta)
+    else:
+        wrap(kernel)[grid(INTERPRETER_META)](*args, **meta, **INTERPRETER_META)
+
+
+def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                    residual: Optional[torch.Tensor] = None, activation: str = "none") -> torch.Tensor:
+    _check(x, weight, bias, residual, activation)
+    K, N = x.shape[-1], weight.shape[0]
+    M = x.numel() // K if K else 0
+    if not use_kernel(x) or use_tma(M, N, K) or M == 0 or N == 0:
+        return torch.ops.kpt.linear_epilogue_inference(x, weight, bias, residual, activation)
+    x2 = x.reshape(M, K)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    args, meta = _pointer_args(x2, weight, bias, residual.reshape(M, N) if residual is not None else None, out,
+                               activation)
+    wrapped_launch(_linear_epilogue_kernel, CONFIGS, M, x.dtype, launch_grid(M, N), args, meta)
+    return out.view(*x.shape[:-1], N)
+
+
+if HAVE_TRITON:
+    torch.library.triton_op("kpt::linear_epilogue_triton", mutates_args=())(_triton_forward)
 
 
 def linear_epilogue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,

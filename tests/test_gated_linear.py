@@ -175,3 +175,23 @@ def test_tma_gated_needs_distinct_weights_with_one_row_stride():
     assert not le.gated_tma_ok(w, w)  # the same tensor twice: no distance to stride over
     assert not le.gated_tma_ok(w, torch.randn(32, 24)[:, :16])  # another row stride
     assert le.gated_tma_ok(w, torch.randn(32, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_triton_op_form_matches_float64_reference(monkeypatch, dtype):
+    """torch.ops.kpt.gated_linear_triton (what Inductor traces on CUDA), called directly: it launches the
+    pointer kernel itself; float64 goes to the inference op (the reference)."""
+    from kpt_compiler.kernels import linear_epilogue as le
+
+    calls = []
+    real = le.wrapped_launch
+    monkeypatch.setattr(gl, "wrapped_launch", lambda kernel, *a, **k: (calls.append(kernel), real(kernel, *a, **k)))
+    args = _inputs(9, 41, 33, dtype, batch=(2,))
+    before = dict(gl.launches)
+    out = torch.ops.kpt.gated_linear_triton(*args, "silu")
+    assert calls == [gl._gated_linear_kernel] and dict(gl.launches) == before
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), gl.reference(*[t.double() for t in args], "silu"), atol=atol, rtol=rtol)
+    args = [t.double() for t in args]
+    torch.testing.assert_close(torch.ops.kpt.gated_linear_triton(*args, "gelu"), gl.reference(*args, "gelu"))
+    assert len(calls) == 1

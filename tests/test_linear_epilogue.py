@@ -208,3 +208,57 @@ def test_tma_not_used_off_hopper_or_unaligned():
     if torch.cuda.is_available():
         xc = torch.empty(128, 63, device="cuda", dtype=torch.float16)  # 126-byte rows: not 16-byte aligned
         assert not le.tma_ok(xc)
+
+
+def _count_wrapped_launches(monkeypatch):
+    calls = []
+    real = le.wrapped_launch
+
+    def counted(kernel, *args, **kwargs):
+        calls.append(kernel)
+        return real(kernel, *args, **kwargs)
+    monkeypatch.setattr(le, "wrapped_launch", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("bias, residual", [(True, True), (False, False)], ids=["bias-res", "plain"])
+def test_triton_op_form_matches_float64_reference(monkeypatch, dtype, bias, residual):
+    """torch.ops.kpt.linear_epilogue_triton (what Inductor traces on CUDA), called directly: it launches the
+    pointer kernel itself, with strided inputs and leading batch dimensions."""
+    calls = _count_wrapped_launches(monkeypatch)
+    x, w, b, r = _inputs(9, 41, 33, dtype, batch=(2,), bias=bias, residual=residual)
+    x = torch.cat([x, x], dim=-1)[..., ::2]  # stride 2 along K
+    before = dict(le.launches)
+    out = torch.ops.kpt.linear_epilogue_triton(x, w, b, r, "gelu_tanh")
+    assert calls == [le._linear_epilogue_kernel] and dict(le.launches) == before  # not the inference op
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), le.reference(*_double(x, w, b, r), activation="gelu_tanh"),
+                               atol=atol, rtol=rtol)
+
+
+def test_triton_op_form_hands_the_rest_to_the_inference_op(monkeypatch):
+    """float64 (the reference) and GEMMs large enough for the TMA kernel go to the inference op inside it."""
+    calls = _count_wrapped_launches(monkeypatch)
+    x, w, b, r = _inputs(9, 41, 33, torch.float64)
+    torch.testing.assert_close(torch.ops.kpt.linear_epilogue_triton(x, w, b, r, "relu"),
+                               le.reference(x, w, b, r, "relu"))
+    monkeypatch.setattr(le, "use_tma", lambda M, N, K: True)
+    x, w, b, r = _inputs(9, 41, 33, torch.float32)
+    before = le.launches["linear_epilogue"]
+    out = torch.ops.kpt.linear_epilogue_triton(x, w, b, r, "relu")
+    assert le.launches["linear_epilogue"] == before + 1 and calls == []
+    torch.testing.assert_close(out.double(), le.reference(*_double(x, w, b, r), activation="relu"),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("M", [3, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_inductor_autotuner_holds_the_pruned_configs(M, dtype):
+    """Inductor autotunes a traced kernel over its ``configs`` without our pruning: the autotuner it is given
+    must hold exactly what prune_configs keeps for the shape and dtype."""
+    tuner = le.inductor_autotuner(le._linear_epilogue_kernel, le.CONFIGS, M, dtype)
+    kept = le.prune_configs(le.CONFIGS, {"M": M, "x_ptr": torch.empty(0, dtype=dtype)})
+    assert [(c.kwargs, c.num_warps, c.num_stages) for c in tuner.configs] == \
+        [(c.kwargs, c.num_warps, c.num_stages) for c in kept]
+    assert tuner is le.inductor_autotuner(le._linear_epilogue_kernel, le.CONFIGS, M, dtype)

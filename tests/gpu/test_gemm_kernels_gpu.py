@@ -222,3 +222,46 @@ def test_every_tma_config_gated(dtype):
             ran += 1
             assert relative_error(out, ref) < (1e-2 if dtype == torch.bfloat16 else 2e-3), config
     assert ran >= 4
+
+
+@pytest.mark.parametrize("M", [1, 128, 8192])  # pointer kernel (decode, prefill); gated at 8192: the TMA kernel
+def test_triton_op_form_is_launched_by_inductor(M):
+    """torch.ops.kpt.*_triton inside an Inductor graph: Inductor compiles our kernel and launches it itself
+    (the generated code calls no kpt op) below the TMA kernel's sizes, and calls the inference op above."""
+    from torch._inductor.utils import run_and_get_code
+
+    K, N = 1024, 2816
+    x, wg, wu = _gated_inputs(M, K, N)
+    wd, res = _randn(K, N, scale=N ** -0.5, seed=5), _randn(M, K, seed=7)
+
+    def mlp(x, wg, wu, wd, r):
+        h = torch.ops.kpt.gated_linear_triton(x, wg, wu, "silu")
+        return torch.ops.kpt.linear_epilogue_triton(h, wd, None, r, "none")
+    ref = F.linear(gl.reference(*_float(x, wg, wu)), wd.float()) + res.float()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out, (code, *_) = run_and_get_code(torch.compile(mlp, backend="inductor"), x, wg, wu, wd, res)
+    assert relative_error(out, ref) < 1e-2, M
+    traced = not le.use_tma(M, 2 * N, K)
+    assert ("_gated_linear_kernel" in code) == traced, code[-3000:]
+    assert ("kpt.gated_linear_inference" in code) != traced, code[-3000:]
+    if not le.use_tma(M, K, N):
+        assert "_linear_epilogue_kernel" in code and "kpt.linear_epilogue_inference" not in code, code[-3000:]
+
+
+def test_fusion_emits_the_triton_op_form_under_inductor_on_cuda():
+    """The fusion pass, inference on CUDA with Inductor: the *_triton ops, and the result of the unfused model."""
+    import kpt_compiler
+
+    K, N, M = 1024, 2816, 128
+    x, wg, wu = _gated_inputs(M, K, N)
+    wd, res = _randn(K, N, scale=N ** -0.5, seed=5), _randn(M, K, seed=6)
+
+    def mlp(x, wg, wu, wd, r):
+        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd) + r
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(mlp, backend="kernelpytorch", options={"fusion": {"decide": "always"}})(x, wg, wu, wd, res)
+    ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
+    assert ops.get("gated_linear_triton") == 1 and ops.get("linear_epilogue_triton") == 1, ops
+    assert relative_error(out, mlp(*_float(x, wg, wu, wd, res))) < 1e-2
