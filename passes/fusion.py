@@ -66,17 +66,19 @@ CALIBRATION = {
 }
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that capture CUDA graphs
 
-# Host time per call in microseconds, (ours, Inductor's), for modes without CUDA graphs: `python -m
-# benchmarks.bench_dispatch` on the H100 machine's host, 2026-11-26, M=128 (host time hardly depends on M).
-# The host figures move by 10-20% between runs of that command; the decisions they drive differ by more.
-# Ours is the *_inference op (graphs without gradients; the autograd op costs more), Inductor's the marginal
-# cost of the unfused calls inside a compiled graph: two GEMMs and a pointwise kernel for gated; a GEMM and a
-# pointwise kernel for an epilogue with activation, the GEMM alone without.
+# Host time per call in microseconds for modes without CUDA graphs: ours as the *_inference op, ours as the
+# triton_op form (which Inductor launches as its own kernel: the form the pass emits where Inductor compiles for
+# CUDA), and Inductor's, each the marginal cost of one more call inside a compiled graph (`python -m
+# benchmarks.bench_dispatch`, columns inductor+inference, inductor+triton and inductor; on the H100 machine's
+# host, 2026-11-26, M=128: host time hardly depends on M). Inductor's side is two GEMMs and a pointwise kernel
+# for gated; a GEMM and a pointwise kernel for an epilogue with activation, the GEMM alone without. The
+# figures move by 10-20% between runs; the decisions they drive differ by more.
 HOST_US = {
-    "gated_linear": (50.2, 42.4),
-    "linear_epilogue": (62.8, 26.0),
-    "linear_epilogue_vs_gemm": (62.8, 19.9),
-    "horizontal": (40.4, 49.6),  # the concatenation and one GEMM against three GEMMs
+    "gated_linear": {"inference": 53.5, "triton": 12.4, "inductor": 36.9},
+    "linear_epilogue": {"inference": 58.5, "triton": 13.7, "inductor": 25.2},
+    "linear_epilogue_vs_gemm": {"inference": 58.5, "triton": 13.7, "inductor": 15.2},
+    # the concatenation and one GEMM against three GEMMs (Inductor generates both sides)
+    "horizontal": {"inference": 40.4, "triton": 40.4, "inductor": 49.6},
 }
 # Inductor's device time per call, estimated for weighing the host times: the GEMMs at PEAK_TFLOPS or their
 # bytes at COPY_TBPS, whichever is slower, plus KERNEL_FLOOR_US per kernel (a cuBLAS GEMM at 128 x 1024 x 1024
@@ -89,9 +91,12 @@ def calibration(kind: str) -> tuple:
     return CALIBRATION.get(kind, ())
 
 
-def host_costs(kind: str, mode: str) -> tuple[float, float] | None:
-    """(ours, Inductor's) host microseconds per call, which count only where no CUDA graph replays the calls."""
-    return None if mode in CUDA_GRAPH_MODES else HOST_US.get(kind)
+def host_costs(kind: str, mode: str, form: str = "inference") -> tuple[float, float] | None:
+    """(ours, Inductor's) host microseconds per call, ours as ``form`` ("inference" or "triton"; see HOST_US);
+    they count only where no CUDA graph replays the calls."""
+    if mode in CUDA_GRAPH_MODES or kind not in HOST_US:
+        return None
+    return HOST_US[kind][form], HOST_US[kind]["inductor"]
 
 
 def inductor_device_us(rows: int, K: int, Ns: list[int], kernels: int) -> float:
@@ -188,7 +193,7 @@ def _ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shape
     table = table or kind
     N = sum(shapes["N"]) if isinstance(shapes.get("N"), list) else shapes.get("N")  # horizontal: the fused N
     mkn = (rows, shapes["K"], N) if isinstance(N, int) and "K" in shapes else None
-    host = host_costs(table, ctx.mode)
+    host = host_costs(table, ctx.mode, "triton" if _triton_form(ctx) else "inference")
     device_us = inductor_device_us(rows, shapes["K"], gemm_ns, unfused_kernels) if host and gemm_ns else None
     d = decide(how, Candidate(kind, rows, shapes, v.dtype, v.device, MIN_ROWS[kind], ours, baseline_ms, source,
                               mkn, calibration(table) if v.dtype == torch.bfloat16 else (),
@@ -198,6 +203,22 @@ def _ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shape
     else:
         ctx.note(f"{node.name}: {kind} {rows}x{shapes} ({d.why})")
     return d.rewrite
+
+
+def _triton_form(ctx: PassContext) -> bool:
+    """Whether the GEMM rules emit the kernels' triton_op form where no gradient flows: where Inductor
+    compiles for CUDA, which then launches the kernel as one of its own (see linear_epilogue_triton)."""
+    from kpt_compiler.kernels.linear_epilogue import HAVE_TRITON
+
+    return HAVE_TRITON and ctx.host == "inductor" and ctx.target.device == "cuda"
+
+
+def _fused_op(ctx: PassContext, kernel, name: str, needs_grad: bool):
+    """The op a GEMM rule emits: the custom op (with autograd) where a gradient flows; else the triton_op
+    form (``_triton_form``), or the ``*_inference`` op, which skips the custom op's Python autograd layer."""
+    if needs_grad:
+        return getattr(kernel, name)
+    return getattr(torch.ops.kpt, f"{name}_triton" if _triton_form(ctx) else f"{name}_inference").default
 
 
 def _emit(gm, fn, args, kwargs=None, like=None):
@@ -237,6 +258,14 @@ def _conv_bn(gm, bn, ctx, how):  # batch_norm(conv2d(x, W, b), ..., training=Fal
     mean, var = ir.arg(bn, "running_mean"), ir.arg(bn, "running_var")
     gamma, beta, eps = ir.arg(bn, "weight", None), ir.arg(bn, "bias", None), ir.arg(bn, "eps", 1e-5)
     if not (isinstance(mean, fx.Node) and isinstance(var, fx.Node) and isinstance(eps, float)):
+        return False
+    if ctx.host == "inductor" and how != "always":
+        # Inductor already fuses an inference batch norm into the pointwise kernel after the convolution, so
+        # folding saves no pass over the activations; the folded weights, computed on every call (they are
+        # graph inputs), cost one over the weights. ResNet-50 on the H100: 3.29 ms with the fold, 3.18 without
+        # (2026-11-26-s5-suite-gpt2-bert-resnet.md). With freezing Inductor folds them once, itself.
+        ctx.near_miss(f"{bn.name}: conv_bn left to Inductor (it fuses the batch norm into the kernel after "
+                      f"{conv.name}; the fold would recompute the weights on every call)")
         return False
     w, b = ir.arg(conv, "weight"), ir.arg(conv, "bias", None)
     with gm.graph.inserting_before(bn):
@@ -388,7 +417,7 @@ def _gated(gm, node, ctx, how):  # act(linear(x, Wg)) * linear(x, Wu) -> gated_l
                     gemm_ns=[N, N], unfused_kernels=3):
             return False
         with gm.graph.inserting_before(node):
-            op = kernel.gated_linear if _needs_grad(node) else torch.ops.kpt.gated_linear_inference.default
+            op = _fused_op(ctx, kernel, "gated_linear", _needs_grad(node))
             new = _emit(gm, op, (x, wg, wu, name), like=node)
         _replace(node, new)
         ctx.count()
@@ -432,7 +461,7 @@ def _epilogue(gm, node, ctx, how):  # act(linear(x, W, b)) + r -> linear_epilogu
                 unfused_kernels=2 if act != "none" else 1):
         return False
     with gm.graph.inserting_before(last):
-        op = kernel.linear_epilogue if _needs_grad(last) else torch.ops.kpt.linear_epilogue_inference.default
+        op = _fused_op(ctx, kernel, "linear_epilogue", _needs_grad(last))
         new = _emit(gm, op, (x, w, bias, residual, act), like=last)
     _replace(last, new)
     ctx.count()
