@@ -96,8 +96,8 @@ def cases(M: int, K: int = 1024, N: int = 2816):
     # over the weights concatenated on every call
     qkv = [(x, randn(K, K, scale=K ** -0.5), randn(K // 4, K, scale=K ** -0.5), randn(K // 4, K, scale=K ** -0.5))
            for _ in range(COPIES)]
-    yield "q, k, v: three linears", lambda x, wq, wk, wv: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)), qkv, {}
-    yield "q, k, v: one linear over cat(Wq, Wk, Wv)", \
+    yield "qkv: three linears", lambda x, wq, wk, wv: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)), qkv, {}
+    yield "qkv: one linear over cat(Wq Wk Wv)", \
         lambda x, wq, wk, wv: F.linear(x, torch.cat([wq, wk, wv])).split([K, K // 4, K // 4], -1), qkv, {}
     yield "add_rms_norm", lambda x, r: F.rms_norm(x + r, (K,), norm_w, 1e-6), [(x, randn(M, K)) for _ in range(COPIES)], {
         "op": lambda: torch.ops.kpt.add_rms_norm(x, res, norm_w, 1e-6, False),
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write bench_dispatch.json and .md here")
     p.add_argument("--rows", default="1,128", help="comma-separated M (default: 1,128)")
-    p.add_argument("--ops", default=None, help="comma-separated op names to keep (default: all)")
+    p.add_argument("--ops", default=None, help="comma-separated prefixes of the op names to keep, e.g. "
+                   "gated_linear,qkv (default: all)")
     args = p.parse_args(argv)
     if not require_cuda("bench_dispatch"):
         return 2
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for M in (int(m) for m in args.rows.split(",")):
             for name, seq, copies, fns in cases(M):
-                if args.ops and name not in args.ops.split(","):
+                if args.ops and not name.startswith(tuple(args.ops.split(","))):
                     continue
                 row = {"op": name, "M": M, "host_us": {}, "device_us": {}}
                 row["host_us"]["aten"] = host_us(lambda: seq(*copies[0]))

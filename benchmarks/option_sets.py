@@ -9,6 +9,7 @@ OPTION_SETS: dict[str, dict] = {
     "ro": {"mode": "reduce-overhead"},  # CUDA graphs on top of our pipeline, to compare with inductor-ro
     "no-fusion": {"fusion": False},  # fusion off (on by default): what the pass buys on every model
     "ro-no-fusion": {"mode": "reduce-overhead", "fusion": False},  # the same under CUDA graphs
+    "no-horizontal": {"fusion": {"horizontal": False}},  # fusion without the q/k/v rule: what that rule buys
     "fusion-always": {"fusion": {"decide": "always"}},  # every fusion taken: checks the cost model's refusals
     "fusion-measure": {"fusion": {"decide": "measure"}},  # decisions timed on the device at compile time
 }

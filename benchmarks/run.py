@@ -96,6 +96,10 @@ def _version(name: str) -> str | None:
 
 
 def _git_commit() -> str | None:
+    """The commit of this tree: ``KPT_COMMIT`` if set (the lent GPU machine's copy of the tree keeps the git
+    HEAD of its first copy, so there the command names the commit), else git's HEAD (+dirty)."""
+    if os.environ.get("KPT_COMMIT"):
+        return os.environ["KPT_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,

@@ -172,3 +172,12 @@ def test_a_noisy_row_is_timed_again_and_the_steadiest_timing_kept(monkeypatch):
     assert measure.steady_timing(None, "cpu", 50) == (steady, 2) and len(calls) == 3
     calls = runs(noisier, noisy, noisier, steady)  # retries spent: the steadiest of the three, though noisy
     assert measure.steady_timing(None, "cpu", 50, retries=2) == (noisy, 2) and len(calls) == 3
+
+
+def test_the_commit_can_be_named_where_git_is_stale(monkeypatch):
+    """On the lent GPU machine the tree's git HEAD is the session's first; KPT_COMMIT names the real one."""
+    monkeypatch.delenv("KPT_COMMIT", raising=False)
+    from_git = run._git_commit()
+    assert from_git is None or len(from_git.split("+")[0]) >= 7
+    monkeypatch.setenv("KPT_COMMIT", "abc1234")
+    assert run._git_commit() == "abc1234"
