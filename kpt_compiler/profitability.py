@@ -11,8 +11,11 @@ A pass asks ``decide(ctx, candidate)`` before each rewrite. How it answers is th
   a later compile reuses it;
 - ``"auto"``: a decision cached for the same key if there is one, else the cost model: on CUDA, the
   device-time speed-up over Inductor measured at the nearest calibrated shape (in log space of M, K, N),
-  taken when it is at least ``MARGIN``; for a kind with no calibration yet, from ``min_rows`` rows up. On
-  the CPU never, since our kernels run their eager reference there.
+  taken when it is at least ``MARGIN``; for a kind with no calibration yet, from ``min_rows`` rows up. A
+  calibration answers only near what it measured: with no calibrated shape within ``NEAR`` times the
+  candidate's M, K and N, the answer is no (a speed-up measured at decode sizes, where launches dominate,
+  says nothing of 16384 rows), and the reason names ``decide="measure"``. On the CPU never, since our kernels
+  run their eager reference there.
   Without CUDA graphs the host's cost of issuing each call counts too: where the candidate carries
   ``host_us`` (ours, Inductor's, per call) and ``device_us`` (Inductor's device time per call, estimated),
   each side costs the larger of its host and device time (a call is as slow as the slower of issuing it and
@@ -58,6 +61,7 @@ class Candidate:
 
 
 MARGIN = 1.03  # below this a measured win is within run-to-run noise
+NEAR = 4.0  # a calibrated shape speaks for candidates within this factor of it in each of M, K and N
 
 
 @dataclasses.dataclass
@@ -128,6 +132,9 @@ def decide(how: str, c: Candidate) -> Decision:
             return sum((math.log2(max(a, 1)) - math.log2(max(b, 1))) ** 2 for a, b in zip(point[:3], c.mkn))
 
         M, K, N, speedup = min(c.calibration, key=distance)
+        if any(max(a, 1) / max(b, 1) > NEAR or max(b, 1) / max(a, 1) > NEAR for a, b in zip((M, K, N), c.mkn)):
+            return Decision(False, f"cost model: no calibrated shape within {NEAR:g}x of M,K,N={','.join(map(str, c.mkn))} "
+                                   f"(the nearest, {M},{K},{N}, gave {speedup:.2f}x); decide='measure' times it")
         why = f"cost model: {speedup:.2f}x over Inductor's device time measured at M,K,N={M},{K},{N}, the nearest " \
               f"calibrated shape"
         if c.host_us is not None and c.device_us is not None:
