@@ -21,8 +21,10 @@ accumulator's halves are g and u. No weight is copied; 99-100% of cuBLAS at 4096
 (``benchmarks/bench_gated_linear.py``), where the pointer kernel reaches 81-83%.
 
 Registered as the custom op ``torch.ops.kpt.gated_linear`` (``torch.library.custom_op`` with a fake and
-autograd; the backward recomputes g and u with plain torch matmuls). Dispatch inside the op, and the reason
-for a custom op rather than ``torch.library.triton_op``, are those of ``linear_epilogue``: CUDA tensors run
+autograd; the backward recomputes g and u with plain torch matmuls), with the same two forms without
+autograd as ``linear_epilogue``: ``gated_linear_inference`` and the triton_op ``gated_linear_triton``, which
+Inductor launches as its own kernel (why both, and where each is used: linear_epilogue's docstring).
+Dispatch inside the op is that of ``linear_epilogue``: CUDA tensors run
 the Triton kernel, CPU tensors run it in Triton's interpreter when ``TRITON_INTERPRET=1``, everything else
 (no triton, float64, other devices) runs the eager ``reference``. ``launches`` counts kernel launches.
 Import this module as ``kpt_compiler.kernels.gated_linear`` only (the op registers once).

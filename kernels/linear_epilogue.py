@@ -22,12 +22,16 @@ the H100, where this one reached 72-81%).
 
 Registered as the custom op ``torch.ops.kpt.linear_epilogue`` (a ``torch.library.custom_op`` with a fake
 implementation and autograd; the backward is plain torch matmuls that recompute z from the saved inputs).
-Why custom_op rather than ``torch.library.triton_op``: triton_op would let Inductor call the kernel without a
-Python dispatch (which matters at small M), but its body is traced with fake tensors, and on the CPU a
-triton_op launching the interpreted kernel fails under torch.compile(backend="eager" and "aot_eager") ("Cannot
-access data pointer of Tensor", checked with torch 2.13 and triton 3.9). The custom op is one opaque call
-that works on every device, in eager, under CUDA graphs and under every torch.compile backend; Inductor
-calls it as an extern kernel (a Python call per launch). Dispatch inside the op:
+The custom op is one opaque call that works on every device, in eager, under CUDA graphs and under every
+torch.compile backend; Inductor calls it as an extern kernel, a Python call per launch. Two more forms have
+no autograd and serve graphs without gradients: ``linear_epilogue_inference`` (the same call without the
+custom op's Python autograd layer) and ``linear_epilogue_triton``, a ``torch.library.triton_op`` that
+Inductor traces and launches as one of its own kernels (12-14 us to issue per call inside a compiled graph
+on the H100 machine, against 53-58 us for the inference op: ``benchmarks/bench_dispatch.py``). The fusion
+pass emits the triton_op where Inductor compiles for CUDA. It cannot be the only form: its body is traced
+with fake tensors, and on the CPU a triton_op launching the interpreted kernel fails under
+torch.compile(backend="eager" and "aot_eager") ("Cannot access data pointer of Tensor", checked with torch
+2.13 and triton 3.9). Dispatch inside the op:
 CUDA tensors in float16/bfloat16/float32 run the Triton kernel; CPU tensors run it in Triton's interpreter
 when ``TRITON_INTERPRET=1`` (set before this module was imported), else the eager ``reference``; every other
 case (no triton installed, float64, other devices) runs ``reference``. ``launches`` counts kernel launches

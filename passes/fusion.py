@@ -16,13 +16,19 @@ gives the backward, as for the attention pass). Rules, in the order they run::
         -> split(linear(x, cat([W1, W2, ...])), [N1, N2, ...])
 
 On by default (``options={"fusion": False}`` turns it off). On the H100 (2026-11-26, README) it takes the zoo
-Llama from 4.91 to 4.53 ms at 8x1024 and, under CUDA graphs, from 0.553 to 0.463 ms at 1x128, BERT from 7.26
-to 7.03 ms, and leaves every other zoo row within noise. It stays out of training graphs unless
-``decide="always"``: its calibration times forward passes, and a Llama training step measured slower with it.
+Llama from 5.01 to 4.60 ms at 8x1024, and at 1x128 without CUDA graphs from 1.92 to 1.58 ms (Inductor: 1.97);
+under CUDA graphs that step takes 0.471 ms against Inductor's 0.561. Where Inductor compiles for CUDA and no
+gradient flows, the GEMM rules emit the kernels' triton_op forms, which Inductor launches as its own kernels
+(a quarter of the host time of a custom op). BERT is the exception: 7.26 ms with fusion against 7.05 without
+in two runs (Inductor: 10.6), where only the q/k/v rule fires, at 16384 rows, far from its decode-size
+calibration. Fusion stays out of training graphs unless ``decide="always"``: its calibration times forward
+passes, and a Llama training step measured slower with it.
+
 Each GEMM and norm rewrite is taken only when ``kpt_compiler.profitability.decide`` says ours is faster
 for that shape, dtype and device (``decide`` option: "auto", "measure", "always"; see that module); the report
-notes every decision with its figures. The conv_bn rule removes work outright (a pass over the activations)
-and needs no decision.
+notes every decision with its figures. The conv_bn rule removes a pass over the activations where the code
+is run as written (codegen="eager"), and steps aside under Inductor, which fuses an inference batch norm
+into the kernel after the convolution itself.
 """
 
 from __future__ import annotations
