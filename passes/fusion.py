@@ -19,9 +19,9 @@ On by default (``options={"fusion": False}`` turns it off). On the H100 (2026-11
 Llama from 5.01 to 4.60 ms at 8x1024, and at 1x128 without CUDA graphs from 1.92 to 1.58 ms (Inductor: 1.97);
 under CUDA graphs that step takes 0.471 ms against Inductor's 0.561. Where Inductor compiles for CUDA and no
 gradient flows, the GEMM rules emit the kernels' triton_op forms, which Inductor launches as its own kernels
-(a quarter of the host time of a custom op). BERT is the exception: 7.26 ms with fusion against 7.05 without
-in two runs (Inductor: 10.6), where only the q/k/v rule fires, at 16384 rows, far from its decode-size
-calibration. Fusion stays out of training graphs unless ``decide="always"``: its calibration times forward
+(a quarter of the host time of a custom op). BERT was the exception: 7.26 ms with fusion against 7.05 without
+in two runs (Inductor: 10.6), where only the q/k/v rule fired, at 16384 rows, on its decode-size calibration;
+the cost model has since stopped answering far from its calibrated shapes (not yet re-run). Fusion stays out of training graphs unless ``decide="always"``: its calibration times forward
 passes, and a Llama training step measured slower with it.
 
 Each GEMM and norm rewrite is taken only when ``kpt_compiler.profitability.decide`` says ours is faster
