@@ -242,7 +242,8 @@ torch.library.register_fake("kpt::gated_linear_inference", _fake, lib=_lib)
 # Inductor's form: torch.ops.kpt.gated_linear_triton, the pointer kernel as a torch.library.triton_op that
 # Inductor traces and launches itself (why, and where the fusion pass emits it: linear_epilogue's
 # linear_epilogue_triton). GEMMs large enough for the TMA kernel call the inference op from inside it.
-def _triton_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+def _triton_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                    activation: str = "silu") -> torch.Tensor:
     _check(x, w_gate, w_up, activation)
     K, N = x.shape[-1], w_gate.shape[0]
     M = x.numel() // K if K else 0

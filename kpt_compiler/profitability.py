@@ -133,8 +133,9 @@ def decide(how: str, c: Candidate) -> Decision:
 
         M, K, N, speedup = min(c.calibration, key=distance)
         if any(max(a, 1) / max(b, 1) > NEAR or max(b, 1) / max(a, 1) > NEAR for a, b in zip((M, K, N), c.mkn)):
-            return Decision(False, f"cost model: no calibrated shape within {NEAR:g}x of M,K,N={','.join(map(str, c.mkn))} "
-                                   f"(the nearest, {M},{K},{N}, gave {speedup:.2f}x); decide='measure' times it")
+            mkn = ",".join(map(str, c.mkn))
+            return Decision(False, f"cost model: no calibrated shape within {NEAR:g}x of M,K,N={mkn} (the nearest, "
+                                   f"{M},{K},{N}, gave {speedup:.2f}x); decide='measure' times it")
         why = f"cost model: {speedup:.2f}x over Inductor's device time measured at M,K,N={M},{K},{N}, the nearest " \
               f"calibrated shape"
         if c.host_us is not None and c.device_us is not None:

@@ -21,8 +21,9 @@ under CUDA graphs that step takes 0.471 ms against Inductor's 0.561. Where Induc
 gradient flows, the GEMM rules emit the kernels' triton_op forms, which Inductor launches as its own kernels
 (a quarter of the host time of a custom op). BERT was the exception: 7.26 ms with fusion against 7.05 without
 in two runs (Inductor: 10.6), where only the q/k/v rule fired, at 16384 rows, on its decode-size calibration;
-the cost model has since stopped answering far from its calibrated shapes (not yet re-run). Fusion stays out of training graphs unless ``decide="always"``: its calibration times forward
-passes, and a Llama training step measured slower with it.
+the cost model has since stopped answering far from its calibrated shapes (not yet re-run). Fusion stays out
+of training graphs unless ``decide="always"``: its calibration times forward passes, and a Llama training
+step measured slower with it.
 
 Each GEMM and norm rewrite is taken only when ``kpt_compiler.profitability.decide`` says ours is faster
 for that shape, dtype and device (``decide`` option: "auto", "measure", "always"; see that module); the report
@@ -269,7 +270,7 @@ def _conv_bn(gm, bn, ctx, how):  # batch_norm(conv2d(x, W, b), ..., training=Fal
         # Inductor already fuses an inference batch norm into the pointwise kernel after the convolution, so
         # folding saves no pass over the activations; the folded weights, computed on every call (they are
         # graph inputs), cost one over the weights. ResNet-50 on the H100: 3.29 ms with the fold, 3.18 without
-        # (2026-11-26-s5-suite-gpt2-bert-resnet.md). With freezing Inductor folds them once, itself.
+        # (2026-11-26-s5-suite-gpt2-bert-resnet.md).
         ctx.near_miss(f"{bn.name}: conv_bn left to Inductor (it fuses the batch norm into the kernel after "
                       f"{conv.name}; the fold would recompute the weights on every call)")
         return False

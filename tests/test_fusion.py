@@ -356,7 +356,8 @@ def test_a_calibration_answers_only_near_the_shapes_it_measured():
 
     def horizontal(M, K=1024, Ns=(1024, 256, 256)):
         return p.Candidate("horizontal", M, {"K": K, "N": list(Ns)}, torch.bfloat16, torch.device("cuda"),
-                           fusion.MIN_ROWS["horizontal"], mkn=(M, K, sum(Ns)), calibration=fusion.calibration("horizontal"))
+                           fusion.MIN_ROWS["horizontal"], mkn=(M, K, sum(Ns)),
+                           calibration=fusion.calibration("horizontal"))
     far = p.decide("auto", horizontal(16384, 768, (768,) * 3))
     assert not far.rewrite and "no calibrated shape within 4x" in far.why and "measure" in far.why, far.why
     near = p.decide("auto", horizontal(128))
