@@ -253,6 +253,10 @@ def test_host_time_counts_only_without_cuda_graphs():
         assert fusion.host_costs(kind, "default") == fusion.host_costs(kind, "max-autotune-no-cudagraphs")
         assert fusion.host_costs(kind, "default") is not None
         assert fusion.host_costs(kind, "reduce-overhead") is None and fusion.host_costs(kind, "max-autotune") is None
+        # each form of ours has its figure, against the same Inductor figure
+        ours_op, theirs = fusion.host_costs(kind, "default", "inference")
+        ours_triton, theirs_too = fusion.host_costs(kind, "default", "triton")
+        assert theirs == theirs_too and ours_triton <= ours_op
     assert fusion.calibration("no-such-kind") == () and fusion.host_costs("no-such-kind", "default") is None
 
 
