@@ -99,6 +99,11 @@ def cases(M: int, K: int = 1024, N: int = 2816):
     yield "qkv: three linears", lambda x, wq, wk, wv: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)), qkv, {}
     yield "qkv: one linear over cat(Wq Wk Wv)", \
         lambda x, wq, wk, wv: F.linear(x, torch.cat([wq, wk, wv])).split([K, K // 4, K // 4], -1), qkv, {}
+    # the same with full-width k and v (multi-head attention: BERT, GPT-2)
+    mha = [(x, *(randn(K, K, scale=K ** -0.5) for _ in range(3))) for _ in range(COPIES)]
+    yield "qkv-mha: three linears", lambda x, wq, wk, wv: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)), mha, {}
+    yield "qkv-mha: one linear over cat(Wq Wk Wv)", \
+        lambda x, wq, wk, wv: F.linear(x, torch.cat([wq, wk, wv])).split([K, K, K], -1), mha, {}
     yield "add_rms_norm", lambda x, r: F.rms_norm(x + r, (K,), norm_w, 1e-6), [(x, randn(M, K)) for _ in range(COPIES)], {
         "op": lambda: torch.ops.kpt.add_rms_norm(x, res, norm_w, 1e-6, False),
         "launch": lambda: rn._forward(x, res, norm_w, 1e-6, False),
@@ -109,6 +114,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write bench_dispatch.json and .md here")
     p.add_argument("--rows", default="1,128", help="comma-separated M (default: 1,128)")
+    p.add_argument("--k", type=int, default=1024, help="the input width K (default 1024, the zoo Llama's)")
     p.add_argument("--ops", default=None, help="comma-separated prefixes of the op names to keep, e.g. "
                    "gated_linear,qkv (default: all)")
     args = p.parse_args(argv)
@@ -118,7 +124,7 @@ def main(argv=None) -> int:
     rows = []
     with torch.no_grad():
         for M in (int(m) for m in args.rows.split(",")):
-            for name, seq, copies, fns in cases(M):
+            for name, seq, copies, fns in cases(M, args.k):
                 if args.ops and not name.startswith(tuple(args.ops.split(","))):
                     continue
                 row = {"op": name, "M": M, "host_us": {}, "device_us": {}}
@@ -134,7 +140,7 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{name} M={M}: " + "  ".join(f"{v} host {row['host_us'][v]:.1f}us device "
                                                     f"{row['device_us'][v]:.1f}us" for v in row["host_us"]), flush=True)
-    title = (f"host and device time per call, torch.no_grad, bf16, K=1024, N=2816, {meta['card']}, "
+    title = (f"host and device time per call, torch.no_grad, bf16, K={args.k}, N=2816, {meta['card']}, "
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: {meta['command']}")
     header = "| op | M | " + " | ".join(f"{v} host us | {v} device us" for v in VARIANTS) + " |"
     lines = [header, "|" + " --- |" * (2 + 2 * len(VARIANTS))]
