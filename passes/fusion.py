@@ -61,9 +61,13 @@ CALIBRATION = {
     "linear_epilogue": ((4096, 4096, 4096, 1.10), (8192, 8192, 8192, 1.01), (8192, 4096, 14336, 1.03),
                         (8192, 1024, 2816, 0.73), (128, 4096, 4096, 1.08), (1, 4096, 4096, 0.76),
                         (128, 1024, 1024, 0.68)),
-    # the horizontal rule on the zoo Llama's q, k, v projections (K=1024, N=1024+256+256): one GEMM over the
-    # weights concatenated on every call against three (bench_dispatch, Inductor's marginal device time)
-    "horizontal": ((1, 1024, 1536, 1.81), (128, 1024, 1536, 1.74)),
+    # the horizontal rule on q, k, v projections: one GEMM over the weights concatenated on every call against
+    # three (bench_dispatch, Inductor's marginal device time): grouped-query as in the zoo Llama (K=1024,
+    # N=1024+256+256), multi-head (N=3K: `--k 1024` and `--k 768 --rows 16384` for BERT's shape). The gain is
+    # the launches saved; from 8192 rows it is gone (2026-11-26-s6-bench_dispatch-qkv*.md)
+    "horizontal": ((1, 1024, 1536, 1.81), (128, 1024, 1536, 1.74), (1024, 1024, 1536, 1.67),
+                   (8192, 1024, 1536, 0.99), (1024, 1024, 3072, 1.16), (8192, 1024, 3072, 0.98),
+                   (16384, 768, 2304, 1.06)),
     # an epilogue without activation (bias and/or residual only) against the GEMM alone: cuBLAS adds a bias
     # in its own epilogue and Inductor folds a residual add into the kernel after (the next norm), so the
     # unfused side is one cuBLAS call (bench_linear_epilogue's "ours / cuBLAS" column)

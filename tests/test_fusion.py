@@ -352,16 +352,16 @@ def test_conv_bn_is_left_to_inductor():
 
 
 def test_a_calibration_answers_only_near_the_shapes_it_measured():
-    """BERT's q/k/v at 16384 rows: the horizontal table was measured at 1 and 128 rows, where merging saves
-    launches; its 1.74x says nothing there, so the cost model declines and names decide='measure'. At the
-    zoo Llama's 128 rows the same table decides."""
+    """BERT's q/k/v at 16384 rows against a table measured at 1 and 128 rows, where merging saves launches
+    (the horizontal table before its prefill points): its 1.74x says nothing there, so the cost model declines
+    and names decide='measure'. At the zoo Llama's 128 rows the same table decides."""
     from kpt_compiler import profitability as p
     from kpt_compiler.passes import fusion
 
     def horizontal(M, K=1024, Ns=(1024, 256, 256)):
         return p.Candidate("horizontal", M, {"K": K, "N": list(Ns)}, torch.bfloat16, torch.device("cuda"),
                            fusion.MIN_ROWS["horizontal"], mkn=(M, K, sum(Ns)),
-                           calibration=fusion.calibration("horizontal"))
+                           calibration=((1, 1024, 1536, 1.81), (128, 1024, 1536, 1.74)))
     far = p.decide("auto", horizontal(16384, 768, (768,) * 3))
     assert not far.rewrite and "no calibrated shape within 4x" in far.why and "measure" in far.why, far.why
     near = p.decide("auto", horizontal(128))
