@@ -15,8 +15,9 @@ divided by their number; the device keeps up at these shapes) and the device tim
   - launch: our launcher alone (argument checks, the chosen config, the Triton launch);
   - inductor+inference, inductor+triton: the inference op and the triton_op form (torch.ops.kpt.<name>_triton,
     which Inductor traces and launches as its own kernel) inside an Inductor graph, marginal cost as above;
-under torch.no_grad() at the zoo Llama's decode and prefill sizes (K=1024, N=2816 and 1024). The fusion cost
-model's ``HOST_US`` (passes/fusion.py) comes from this table, and its small-shape horizontal figures.
+under torch.no_grad() at the zoo Llama's decode and prefill sizes (K=1024, N=2816 and 1024; ``--k`` sets K, e.g.
+768 for BERT). The fusion cost model's ``HOST_US`` (passes/fusion.py) comes from this table, and its horizontal
+calibration (the q/k/v rows, grouped-query and multi-head).
 """
 
 from __future__ import annotations
