@@ -11,8 +11,8 @@ A pass asks ``decide(ctx, candidate)`` before each rewrite. How it answers is th
   a later compile reuses it;
 - ``"auto"``: a decision cached for the same key if there is one, else the cost model: on CUDA, the
   device-time speed-up over Inductor measured at the nearest calibrated shape (in log space of M, K, N),
-  taken when it is at least ``MARGIN``; for a kind with no calibration yet, from ``min_rows`` rows up. A
-  calibration answers only near what it measured: with no calibrated shape within ``NEAR`` times the
+  taken when it is at least ``MARGIN``; for a kind with no calibration yet, from ``min_rows`` rows up (None:
+  never). A calibration answers only near what it measured: with no calibrated shape within ``NEAR`` times the
   candidate's M, K and N, the answer is no (a speed-up measured at decode sizes, where launches dominate,
   says nothing of 16384 rows), and the reason names ``decide="measure"``. On the CPU never, since our kernels
   run their eager reference there.
@@ -50,7 +50,7 @@ class Candidate:
     shapes: dict  # what the key needs besides rows: {"K": 1024, "N": [1024, 256, 256]}
     dtype: torch.dtype
     device: torch.device
-    min_rows: int  # the cost model's threshold on CUDA
+    min_rows: int | None  # the cost model's threshold on CUDA without a calibration (None: never)
     ours: Callable[[], object] | None = None  # run our kernel once on inputs of the shape ("measure")
     baseline_ms: Callable[[], float] | None = None  # Inductor's best case in ms ("measure")
     source: object = None  # the module or function whose source keys the cache
@@ -146,6 +146,9 @@ def decide(how: str, c: Candidate) -> Decision:
             why += (f"; issued without CUDA graphs, per call ours max(host {ours_host:.0f}, device {ours_device:.0f}) "
                     f"us, Inductor max(host {their_host:.0f}, device {c.device_us:.0f}) us: {speedup:.2f}x")
         return Decision(speedup >= MARGIN, f"{why} (needs {MARGIN}x)")
+    if c.min_rows is None:
+        return Decision(False, f"cost model: no calibrated win over Inductor for {c.kind} in {c.dtype}; "
+                               "decide='measure' times it")
     if c.rows >= c.min_rows:
         return Decision(True, f"cost model: {c.rows} rows >= {c.min_rows}")
     return Decision(False, f"cost model: {c.rows} rows < {c.min_rows} (launch-bound; Inductor's own is as fast)")

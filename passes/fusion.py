@@ -19,11 +19,10 @@ On by default (``options={"fusion": False}`` turns it off). On the H100 (2026-11
 Llama from 5.01 to 4.60 ms at 8x1024, and at 1x128 without CUDA graphs from 1.92 to 1.58 ms (Inductor: 1.97);
 under CUDA graphs that step takes 0.471 ms against Inductor's 0.561. Where Inductor compiles for CUDA and no
 gradient flows, the GEMM rules emit the kernels' triton_op forms, which Inductor launches as its own kernels
-(a quarter of the host time of a custom op). BERT was the exception: 7.26 ms with fusion against 7.05 without
-in two runs (Inductor: 10.6), where only the q/k/v rule fired, at 16384 rows, on its decode-size calibration;
-the cost model has since stopped answering far from its calibrated shapes (not yet re-run). Fusion stays out
-of training graphs unless ``decide="always"``: its calibration times forward passes, and a Llama training
-step measured slower with it.
+(a quarter of the host time of a custom op). On BERT fusion neither gains nor costs (6.98 ms against 6.97
+without, 2026-11-26-s6-suite-llama-bert.md): q/k/v merging saves launches, which count at decode sizes and
+not at its 16384 rows. Fusion stays out of training graphs unless ``decide="always"``: its calibration times
+forward passes, and a Llama training step measured slower with it.
 
 Each GEMM and norm rewrite is taken only when ``kpt_compiler.profitability.decide`` says ours is faster
 for that shape, dtype and device (``decide`` option: "auto", "measure", "always"; see that module); the report
@@ -117,9 +116,11 @@ def inductor_device_us(rows: int, K: int, Ns: list[int], kernels: int) -> float:
     return max(flops / (PEAK_TFLOPS * 1e6), nbytes / (COPY_TBPS * 1e6)) + KERNEL_FLOOR_US * kernels
 
 
-# Kinds without a calibration: taken from this many rows up (the norms: never, until one beats Inductor).
-MIN_ROWS = {"gated_linear": 0, "linear_epilogue": 0, "horizontal": 1024, "add_rms_norm": 1 << 62,
-            "add_layer_norm": 1 << 62}
+# Kinds without a calibration (the norms; the GEMM kinds in dtypes other than bf16): taken from this many rows
+# up. None (never) for the norms, until one beats Inductor, and for q/k/v merging, whose bf16 gain is at small
+# M and gone from 8192 rows (CALIBRATION["horizontal"]), which no row threshold can say.
+MIN_ROWS = {"gated_linear": 0, "linear_epilogue": 0, "horizontal": None, "add_rms_norm": None,
+            "add_layer_norm": None}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -198,6 +198,8 @@ def test_cost_model_and_the_measured_decision_cache(tmp_path, monkeypatch):
     big = p.Candidate("horizontal", 8192, {"K": 1024}, torch.bfloat16, cuda, min_rows=2048)
     small = dataclasses.replace(big, rows=128)
     assert p.decide("auto", big).rewrite and not p.decide("auto", small).rewrite
+    never = p.decide("auto", dataclasses.replace(big, min_rows=None))
+    assert not never.rewrite and "no calibrated win" in never.why and "measure" in never.why, never.why
     table = ((8192, 1024, 2816, 1.04), (8192, 4096, 14336, 0.84))  # calibrated: the nearest shape decides
     near_win = dataclasses.replace(big, mkn=(4096, 1024, 2048), calibration=table)
     near_loss = dataclasses.replace(big, mkn=(8192, 4096, 11008), calibration=table)
@@ -349,6 +351,19 @@ def test_conv_bn_is_left_to_inductor():
     assert not fusion._conv_bn(gm, bn, types.SimpleNamespace(host="inductor", near_miss=misses.append), "auto")
     assert len(misses) == 1 and "left to Inductor" in misses[0], misses
     assert bn.users and bn.args[0].target is F.conv2d  # the graph is untouched (the fold itself: tests above)
+
+
+def test_q_k_v_merging_without_a_calibration_is_declined_at_every_size():
+    """fp16 has no calibration: the bf16 table says merging pays at small M and not from 8192 rows, which no
+    row threshold says, so the q/k/v rule declines at any size (a threshold of 1024 rows took 8192)."""
+    from kpt_compiler import profitability as p
+    from kpt_compiler.passes import fusion
+
+    for M in (1, 128, 8192):
+        d = p.decide("auto", p.Candidate("horizontal", M, {"K": 1024, "N": [1024, 256, 256]}, torch.float16,
+                                         torch.device("cuda"), fusion.MIN_ROWS["horizontal"], mkn=(M, 1024, 1536),
+                                         calibration=()))  # as _ask passes it for dtypes but bf16
+        assert not d.rewrite and "no calibrated win" in d.why, (M, d.why)
 
 
 def test_a_calibration_answers_only_near_the_shapes_it_measured():
