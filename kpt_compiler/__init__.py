@@ -9,16 +9,17 @@ process that never imports it). ``last_report()`` says what the compiler did to 
 from __future__ import annotations
 
 from .backend import BACKEND_NAME, kernelpytorch
-from .options import CompileOptions, OptionError, parse_options
-from .pipeline import (
-    DEFAULT_PIPELINE,
+from .errors import OptionError, PassFailed, PassSkipped
+from .options import CompileOptions, parse_options
+from .pipeline import DEFAULT_PIPELINE, describe_pipeline
+from .registry import (
     GraphPass,
     PassContext,
-    PassFailed,
-    PassSkipped,
-    describe_pipeline,
+    PassGroup,
     graph_pass,
+    register_group,
     register_pass,
+    registered_groups,
     registered_passes,
     unregister_pass,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "OptionError",
     "parse_options",
     "GraphPass",
+    "PassGroup",
     "PassContext",
     "PassFailed",
     "PassSkipped",
@@ -40,6 +42,8 @@ __all__ = [
     "register_pass",
     "unregister_pass",
     "registered_passes",
+    "register_group",
+    "registered_groups",
     "DEFAULT_PIPELINE",
     "describe_pipeline",
     "GraphReport",

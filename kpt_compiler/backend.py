@@ -4,8 +4,9 @@ One call per graph Dynamo captures:
   options  -> parse and validate (OptionError names the key and the valid choices)
   target   -> the device of the example inputs, checked against options["device"]
   pre_aot  -> our pre-AOT passes on the Dynamo graph
-  host     -> Inductor (cuda, cpu), eager (codegen="eager") or torch_xla (xla), each running AOTAutograd
+  emitter  -> Inductor (cuda, cpu), eager (codegen="eager") or torch_xla (xla), each running AOTAutograd
               and calling back into the joint / forward / backward stages
+  wrap     -> passes that wrap the compiled callable (bucketing, CUDA-graph capture)
   report   -> a GraphReport (kpt_compiler.last_report()) and, with dump_dir, files and index.html
 """
 
@@ -22,9 +23,11 @@ import torch.fx as fx
 
 from . import graph_utils
 from . import report as report_mod
-from .hosts import HOSTS
-from .options import CompileOptions, OptionError, parse_options
-from .pipeline import CompileRun, PassFailed
+from .emitters import EMITTERS
+from .errors import OptionError, PassFailed
+from .options import CompileOptions, parse_options
+from .pass_manager import PassManager
+from .pipeline import describe_pipeline
 from .target import Target, detect_target
 
 __all__ = ["kernelpytorch", "BACKEND_NAME"]
@@ -33,7 +36,7 @@ BACKEND_NAME = "kernelpytorch"
 log = logging.getLogger("kpt_compiler")
 
 
-def _choose_host(options: CompileOptions, target: Target) -> str:
+def _choose_codegen(options: CompileOptions, target: Target) -> str:
     if target.device == "xla":
         if options.codegen != "auto":
             raise OptionError(
@@ -66,27 +69,29 @@ def _compile_id() -> str:
         return "-"
 
 
-def _run_pipeline_and_host(gm: fx.GraphModule, example_inputs: Sequence[Any], run: CompileRun) -> Callable:
-    run.run_stage(gm, "pre_aot", is_inference=not torch.is_grad_enabled())
+def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager) -> Callable:
+    is_inference = not torch.is_grad_enabled()
+    pm.run_stage(gm, "pre_aot", is_inference=is_inference)
     with contextlib.ExitStack() as stack:
-        for factory in run.aot_contexts:  # e.g. the SDPA backend priority the attention pass chose
+        for factory in pm.aot_contexts:  # e.g. the SDPA backend priority the attention pass chose
             stack.enter_context(factory())
-        return HOSTS[run.host](gm, example_inputs, run)
+        compiled = EMITTERS[pm.codegen](gm, example_inputs, pm)
+    return pm.run_wrap_stage(compiled, gm, is_inference)
 
 
 def _compile_without(fired: list[str], error: Exception, gm: fx.GraphModule, example_inputs: Sequence[Any],
-                     run: CompileRun, original) -> Callable:
-    """The host failed on the rewritten graph: compile the original again with the passes that fired off,
-    and say so in the report (each of them becomes "failed", with the host's error)."""
-    reason = f"{run.host} could not compile the rewritten graph: {type(error).__name__}: {str(error)[:300]}"
+                     pm: PassManager, original) -> Callable:
+    """The emitter failed on the rewritten graph: compile the original again with the passes that fired off,
+    and say so in the report (each of them becomes "failed", with the emitter's error)."""
+    reason = f"{pm.codegen} could not compile the rewritten graph: {type(error).__name__}: {str(error)[:300]}"
     log.warning("kernelpytorch: %s; compiling again without %s", reason, ", ".join(fired))
     graph_utils.restore(gm, original)
-    report = run.report
+    report = pm.report
     report.notes.append(f"compiled again without {', '.join(fired)}: {reason}")
     report.stages.clear()
-    options = dataclasses.replace(run.options, disable=tuple(run.options.disable) + tuple(fired))
-    retry = CompileRun(gm, options, run.target, report, dump=run.dump, host=run.host)
-    compiled = _run_pipeline_and_host(gm, example_inputs, retry)
+    options = dataclasses.replace(pm.options, disable=tuple(pm.options.disable) + tuple(fired))
+    retry = PassManager(options, pm.target, report, dump=pm.dump, codegen=pm.codegen, example_inputs=example_inputs)
+    compiled = _run_pipeline_and_emit(gm, example_inputs, retry)
     for rec in report.passes():
         if rec.name in fired:
             rec.status, rec.reason = "failed", reason
@@ -108,30 +113,30 @@ def kernelpytorch(
         )
     start = time.perf_counter()
     opts = parse_options(mode, options)
-    target = detect_target(example_inputs, opts)
-    host = _choose_host(opts, target)
+    target = detect_target(example_inputs, opts.device)
+    codegen = _choose_codegen(opts, target)
     graph_report = report_mod._new_report(
-        compile_id=_compile_id(), host=host, target=target.to_dict(), options=opts.to_dict()
+        compile_id=_compile_id(), codegen=codegen, target=target.to_dict(), options=opts.to_dict()
     )
     dump = None
     if opts.dump_dir:
         from .dump import DumpWriter
 
         dump = DumpWriter.for_dir(opts.dump_dir)
-    run = CompileRun(gm, opts, target, graph_report, dump=dump, host=host)
-    run.check_requested_passes()
+    pm = PassManager(opts, target, graph_report, dump=dump, codegen=codegen, example_inputs=example_inputs)
+    pm.check_requested_passes()
     if dump is not None:
-        dump.begin_graph(graph_report, run)
+        dump.begin_graph(graph_report, describe_pipeline(opts, target))
     original = graph_utils.snapshot(gm)
     try:
-        compiled = _run_pipeline_and_host(gm, example_inputs, run)
+        compiled = _run_pipeline_and_emit(gm, example_inputs, pm)
     except PassFailed:
         raise
     except Exception as e:  # noqa: BLE001 - the code generator rejected what our passes produced
         fired = graph_report.fired()
         if not fired or opts.strict:
             raise
-        compiled = _compile_without(fired, e, gm, example_inputs, run, original)
+        compiled = _compile_without(fired, e, gm, example_inputs, pm, original)
     graph_report.compile_ms = (time.perf_counter() - start) * 1e3
     if dump is not None:
         dump.end_graph(graph_report)

@@ -7,7 +7,7 @@ Layout under ``dump_dir`` (set by options["dump_dir"] or the KPT_DUMP_DIR enviro
     index.html                    the same in a browser, with pictures of the regions each pass changed
     graph_000/                    one folder per graph Dynamo handed the backend, numbered in compile order
         options.json              the validated options and the pipeline
-        pre_aot/ joint/ forward/ backward/
+        pre_aot/ joint/ forward/ backward/ (wrap/, where the pipeline has passes that wrap the compiled callable)
             00_input.py           the graph as this stage received it (python 00_input.py runs it)
             01_<pass>.py          the graph after each pass that changed it
             01_<pass>.diff        what that pass changed (unified diff of the two files above)
@@ -63,18 +63,16 @@ class DumpWriter:
             f.write("written by kernelpytorch; the graph_* folders, summary.json and index.html are replaced by the next run\n")
 
     # ------------------------------------------------------------------ graph
-    def begin_graph(self, report: GraphReport, run) -> None:
-        from .pipeline import describe_pipeline
-
+    def begin_graph(self, report: GraphReport, pipeline_text: str) -> None:
         report.folder = f"graph_{len(self.graphs):03d}"
         self.graphs.append(report)
         os.makedirs(self._path(report.folder), exist_ok=True)
         _write_json(self._path(report.folder, "options.json"), {
             "compile_id": report.compile_id,
-            "host": report.host,
+            "codegen": report.codegen,
             "target": report.target,
             "options": report.options,
-            "pipeline": describe_pipeline(run.options, run.target).splitlines(),
+            "pipeline": pipeline_text.splitlines(),
         })
 
     def end_graph(self, report: GraphReport) -> None:
@@ -87,9 +85,14 @@ class DumpWriter:
         self._write_code(report, stage, gm, "00_input.py", "the graph as this stage received it", code)
 
     def write_pass(self, report: GraphReport, stage: StageRecord, rec: PassRecord, gm: fx.GraphModule,
-                   code: str) -> None:
+                   code: str, before: fx.Graph | None) -> None:
+        """After a pass: its code and diff where it changed the graph, and the pictures of what it changed
+        (``before``: the graph before it)."""
         if rec.status != "applied":
             return
+        from .html_report import changed_regions
+
+        rec.regions = changed_regions(before, gm.graph) if before is not None else []
         n = sum(1 for p in stage.passes if p.status == "applied")
         base = f"{n:02d}_{rec.name}"
         what = f"after pass {rec.name!r} ({rec.matches} matches, {rec.time_ms:.1f} ms)"
@@ -115,6 +118,12 @@ class DumpWriter:
             ],
         })
         self.refresh()
+
+    def wrap_stage(self, report: GraphReport, stage: StageRecord) -> None:
+        """The wrap stage has no graph to write: its passes.json, and the summary."""
+        stage.folder = f"{report.folder}/{stage.stage}"
+        os.makedirs(self._path(stage.folder), exist_ok=True)
+        self.end_stage(report, stage)
 
     # ------------------------------------------------------------------ helpers
     def refresh(self) -> None:
@@ -159,55 +168,26 @@ _INPUTS = {inputs!r}
 _ATTRS = {attrs!r}
 
 
-def _make(spec):
-    kind = spec[0]
-    if kind == "tensor":
-        _, shape, dtype, dev = spec
-        dev = dev if (not dev.startswith("cuda") or torch.cuda.is_available()) else "cpu"
-        dtype = getattr(torch, dtype)
-        if dtype.is_floating_point or dtype.is_complex:
-            return torch.randn(shape, device=dev).to(dtype)
-        if dtype == torch.bool:
-            return torch.ones(shape, dtype=dtype, device=dev)
-        return torch.zeros(shape, dtype=dtype, device=dev)
-    return spec[1]
-
-
 if __name__ == "__main__":
+    from kpt_compiler.graph_utils import make_input
+
     module = {cls}()
     for name, spec in _ATTRS.items():
-        value = getattr({cls}, spec[1])() if spec[0] == "module" else _make(spec)
+        value = getattr({cls}, spec[1])() if spec[0] == "module" else make_input(spec)
         owner = module
         *path, leaf = name.split(".")
         for p in path:
             owner = getattr(owner, p)
         setattr(owner, leaf, value)
-    out = module(*[_make(s) for s in _INPUTS])
+    out = module(*[make_input(s) for s in _INPUTS])
     outs = out if isinstance(out, (tuple, list)) else [out]
     for i, o in enumerate(outs):
         desc = f"{{tuple(o.shape)}} {{o.dtype}}" if isinstance(o, torch.Tensor) else repr(o)
         print(f"output {{i}}: {{desc}}")
 """
 
-
-def _spec_of(value: Any) -> tuple:
-    if isinstance(value, torch.Tensor):
-        shape = [_hint(s) for s in value.shape]
-        return ("tensor", shape, str(value.dtype).replace("torch.", ""), str(value.device))
-    if isinstance(value, torch.SymInt):
-        return ("value", _hint(value))
-    if isinstance(value, (int, float, bool)) or value is None:
-        return ("value", value)
-    return ("value", None)
-
-
-def _hint(s: Any) -> int:
-    if isinstance(s, int):
-        return s
-    try:
-        return int(s.node.hint)
-    except Exception:  # noqa: BLE001 - an unbacked size: any small positive size will do
-        return 2
+# a size known only at run time (unbacked) is given this value in a dumped graph's inputs
+_UNBACKED = 2
 
 
 def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) -> str:
@@ -218,7 +198,7 @@ def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) ->
     inputs = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            inputs.append(_spec_of(node.meta.get("val", node.meta.get("example_value"))))
+            inputs.append(graph_utils.input_spec(node.meta.get("val", node.meta.get("example_value")), _UNBACKED))
     attrs: dict[str, tuple] = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr":
@@ -230,7 +210,7 @@ def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) ->
         if isinstance(obj, fx.GraphModule):
             attrs[node.target] = ("module", node.target)
         elif isinstance(obj, torch.Tensor):
-            attrs[node.target] = _spec_of(obj)
+            attrs[node.target] = graph_utils.input_spec(obj, _UNBACKED)
     return header + _PREAMBLE + code + _MAIN.format(inputs=inputs, attrs=attrs, cls=cls)
 
 

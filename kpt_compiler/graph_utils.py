@@ -1,5 +1,6 @@
-"""Small FX helpers the pass manager needs: snapshot and in-place restore, op counts, readable code,
-and the region of a graph that a pass changed (for the report's pictures)."""
+"""Small FX helpers the pass manager needs: snapshot and in-place restore, op counts, readable code and
+diffs, and inputs of a graph's recorded shapes (to run it: the lossy guard, dumped graphs). The pictures of
+what a pass changed are drawn by html_report, and only when dumping."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import dataclasses
 import difflib
 from typing import Any, Callable
 
-import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -21,8 +21,10 @@ __all__ = [
     "op_counts",
     "readable_code",
     "unified_diff",
-    "changed_regions",
-    "node_label",
+    "target_name",
+    "input_spec",
+    "make_input",
+    "random_inputs",
 ]
 
 
@@ -175,85 +177,51 @@ def unified_diff(before: str, after: str, name_before: str, name_after: str) -> 
     return "".join(difflib.unified_diff(_code_lines(before), _code_lines(after), name_before, name_after, n=2))
 
 
-def node_label(node: fx.Node) -> str:
-    val = node.meta.get("val", node.meta.get("example_value"))
-    shape = ""
-    if isinstance(val, torch.Tensor):
-        dims = ",".join(str(s) for s in val.shape)
-        shape = f" {str(val.dtype).replace('torch.', '')}[{dims}]"
-    if node.op == "placeholder":
-        return f"{node.name}{shape}"
-    if node.op == "output":
-        return "output"
-    return f"{target_name(node)}{shape}"
+# ---------------------------------------------------------------------------------------------- inputs
 
 
-def _signature(node: fx.Node) -> tuple:
-    """What makes a node the same node across two versions of a graph: its name, op, target and inputs."""
-    args = tuple(a.name if isinstance(a, fx.Node) else repr(a) for a in node.all_input_nodes)
-    return (node.name, node.op, target_name(node), args)
+def _hint(s: Any, unbacked: int | None) -> int:
+    if isinstance(s, int):
+        return s
+    try:
+        return int(s.node.hint)
+    except Exception:  # noqa: BLE001 - an unbacked size has no hint
+        if unbacked is not None:
+            return unbacked
+        raise ValueError(f"the size {s} is unbacked (data-dependent): no input of its shape can be made") from None
 
 
-def _as_digraph(graph: fx.Graph) -> nx.DiGraph:
-    g = nx.DiGraph()
-    for n in graph.nodes:
-        g.add_node(n.name, label=node_label(n), sig=_signature(n))
-        for a in n.all_input_nodes:
-            g.add_edge(a.name, n.name)
-    return g
+def input_spec(value: Any, unbacked: int | None = None) -> tuple:
+    """What ``make_input`` needs to make a value like ``value`` (a tensor's shape, dtype and device; a number
+    as it is; sizes at their hints, an unbacked size as ``unbacked``, or ValueError). Plain data, so a dumped
+    graph can carry it."""
+    if isinstance(value, torch.Tensor):
+        shape = [_hint(s, unbacked) for s in value.shape]
+        return ("tensor", shape, str(value.dtype).replace("torch.", ""), str(value.device))
+    if isinstance(value, torch.SymInt):
+        return ("value", _hint(value, unbacked))
+    if isinstance(value, (int, float, bool)) or value is None:
+        return ("value", value)
+    return ("value", None)
 
 
-def changed_regions(before: fx.Graph, after: fx.Graph, max_nodes: int = 40) -> list[dict[str, Any]]:
-    """The parts of the graph a pass changed, each as a before/after pair of small subgraphs.
-
-    A node is changed when no node of the other graph has its name, op, target and inputs. A region is
-    a connected group of changed nodes with their direct neighbours; each side is a dict
-    ``{"nodes": [{"id", "label", "changed"}], "edges": [[src, dst]]}`` ready to draw.
-    """
-    gb, ga = _as_digraph(before), _as_digraph(after)
-    sig_b = {d["sig"] for _, d in gb.nodes(data=True)}
-    sig_a = {d["sig"] for _, d in ga.nodes(data=True)}
-    removed = {n for n, d in gb.nodes(data=True) if d["sig"] not in sig_a}
-    added = {n for n, d in ga.nodes(data=True) if d["sig"] not in sig_b}
-    if not removed and not added:
-        return []
-    # Group changes: nodes linked in either graph, or sharing a name across the two, belong together.
-    link = nx.Graph()
-    link.add_nodes_from(("b", n) for n in removed)
-    link.add_nodes_from(("a", n) for n in added)
-    for side, g, changed in (("b", gb, removed), ("a", ga, added)):
-        for u, v in g.edges():
-            if u in changed and v in changed:
-                link.add_edge((side, u), (side, v))
-        # two changed nodes with a common unchanged neighbour are one rewrite
-        for n in g.nodes:
-            near = [m for m in list(g.predecessors(n)) + list(g.successors(n)) if m in changed]
-            for x, y in zip(near, near[1:]):
-                link.add_edge((side, x), (side, y))
-    for n in removed & added:
-        link.add_edge(("b", n), ("a", n))
-    regions = []
-    for comp in nx.connected_components(link):
-        rb = {n for s, n in comp if s == "b"}
-        ra = {n for s, n in comp if s == "a"}
-        regions.append({"before": _side(gb, rb, max_nodes), "after": _side(ga, ra, max_nodes)})
-    regions.sort(key=lambda r: -(len(r["before"]["nodes"]) + len(r["after"]["nodes"])))
-    return regions
+def make_input(spec: tuple, generator: torch.Generator | None = None) -> Any:
+    """A random input for ``spec`` (``input_spec``): floats from a normal distribution, booleans True,
+    integers zero (indices and lengths stay in range); CUDA tensors on the CPU where there is no GPU."""
+    if spec[0] != "tensor":
+        return spec[1]
+    _, shape, dtype, dev = spec
+    dev = dev if (not dev.startswith("cuda") or torch.cuda.is_available()) else "cpu"
+    dtype = getattr(torch, dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=generator).to(device=dev, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.ones(shape, dtype=dtype, device=dev)
+    return torch.zeros(shape, dtype=dtype, device=dev)
 
 
-def _side(g: nx.DiGraph, changed: set[str], max_nodes: int) -> dict[str, Any]:
-    keep = set(changed)
-    for n in changed:
-        keep.update(g.predecessors(n))
-        keep.update(g.successors(n))
-    order = [n for n in nx.topological_sort(g) if n in keep]
-    if len(order) > max_nodes:  # keep every changed node, drop context first
-        context = [n for n in order if n not in changed]
-        drop = set(context[: len(order) - max_nodes])
-        order = [n for n in order if n not in drop]
-    kept = set(order)
-    return {
-        "nodes": [{"id": n, "label": g.nodes[n]["label"], "changed": n in changed} for n in order],
-        "edges": [[u, v] for u, v in g.edges() if u in kept and v in kept],
-        "truncated": len(keep) - len(kept),
-    }
+def random_inputs(gm: fx.GraphModule, seed: int = 0) -> list[Any]:
+    """Inputs for every placeholder of ``gm``, made from the values its meta records (seeded)."""
+    generator = torch.Generator().manual_seed(seed)
+    specs = [input_spec(n.meta.get("val", n.meta.get("example_value"))) for n in gm.graph.nodes if n.op == "placeholder"]
+    return [make_input(s, generator) for s in specs]

@@ -1,6 +1,7 @@
 """index.html: the compile reports as one page, with a picture of each region a pass changed.
 
-Pictures are inline SVG drawn here from ``PassRecord.regions`` (see graph_utils.changed_regions): the nodes
+Pictures are inline SVG drawn here from ``PassRecord.regions`` (``changed_regions``, which the dump writer
+calls for each pass that changed a graph: pictures cost nothing unless dumping): the nodes
 of the region in layers by depth, the changed ones coloured (removed: red, before; added: green, after),
 their direct neighbours grey. No Graphviz or plotting library is needed to read the report.
 """
@@ -10,11 +11,14 @@ from __future__ import annotations
 import html
 from typing import Any
 
+import networkx as nx
 import torch
+import torch.fx as fx
 
+from .graph_utils import target_name
 from .report import GraphReport, PassRecord
 
-__all__ = ["render_index", "region_svg"]
+__all__ = ["render_index", "region_svg", "changed_regions", "node_label"]
 
 _STATUS_COLOUR = {
     "applied": "#1a7f37",
@@ -22,6 +26,7 @@ _STATUS_COLOUR = {
     "failed": "#cf222e",
     "skipped": "#9a6700",
     "disabled": "#8c959f",
+    "backed_out": "#bc4c00",
 }
 
 _CSS = """
@@ -38,6 +43,96 @@ pre.diff { background: #f6f8fa; padding: 8px; overflow-x: auto; font-size: 12px;
 .add { color: #1a7f37; } .del { color: #cf222e; }
 .muted { color: #57606a; }
 """
+
+
+# ---------------------------------------------------------------------------------------------- regions
+
+
+def node_label(node: fx.Node) -> str:
+    val = node.meta.get("val", node.meta.get("example_value"))
+    shape = ""
+    if isinstance(val, torch.Tensor):
+        dims = ",".join(str(s) for s in val.shape)
+        shape = f" {str(val.dtype).replace('torch.', '')}[{dims}]"
+    if node.op == "placeholder":
+        return f"{node.name}{shape}"
+    if node.op == "output":
+        return "output"
+    return f"{target_name(node)}{shape}"
+
+
+def _signature(node: fx.Node) -> tuple:
+    """What makes a node the same node across two versions of a graph: its name, op, target and inputs."""
+    args = tuple(a.name if isinstance(a, fx.Node) else repr(a) for a in node.all_input_nodes)
+    return (node.name, node.op, target_name(node), args)
+
+
+def _as_digraph(graph: fx.Graph) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for n in graph.nodes:
+        g.add_node(n.name, label=node_label(n), sig=_signature(n))
+        for a in n.all_input_nodes:
+            g.add_edge(a.name, n.name)
+    return g
+
+
+def changed_regions(before: fx.Graph, after: fx.Graph, max_nodes: int = 40) -> list[dict[str, Any]]:
+    """The parts of the graph a pass changed, each as a before/after pair of small subgraphs.
+
+    A node is changed when no node of the other graph has its name, op, target and inputs. A region is
+    a connected group of changed nodes with their direct neighbours; each side is a dict
+    ``{"nodes": [{"id", "label", "changed"}], "edges": [[src, dst]]}`` ready to draw.
+    """
+    gb, ga = _as_digraph(before), _as_digraph(after)
+    sig_b = {d["sig"] for _, d in gb.nodes(data=True)}
+    sig_a = {d["sig"] for _, d in ga.nodes(data=True)}
+    removed = {n for n, d in gb.nodes(data=True) if d["sig"] not in sig_a}
+    added = {n for n, d in ga.nodes(data=True) if d["sig"] not in sig_b}
+    if not removed and not added:
+        return []
+    # Group changes: nodes linked in either graph, or sharing a name across the two, belong together.
+    link = nx.Graph()
+    link.add_nodes_from(("b", n) for n in removed)
+    link.add_nodes_from(("a", n) for n in added)
+    for side, g, changed in (("b", gb, removed), ("a", ga, added)):
+        for u, v in g.edges():
+            if u in changed and v in changed:
+                link.add_edge((side, u), (side, v))
+        # two changed nodes with a common unchanged neighbour are one rewrite
+        for n in g.nodes:
+            near = [m for m in list(g.predecessors(n)) + list(g.successors(n)) if m in changed]
+            for x, y in zip(near, near[1:]):
+                link.add_edge((side, x), (side, y))
+    for n in removed & added:
+        link.add_edge(("b", n), ("a", n))
+    regions = []
+    for comp in nx.connected_components(link):
+        rb = {n for s, n in comp if s == "b"}
+        ra = {n for s, n in comp if s == "a"}
+        regions.append({"before": _side(gb, rb, max_nodes), "after": _side(ga, ra, max_nodes)})
+    regions.sort(key=lambda r: -(len(r["before"]["nodes"]) + len(r["after"]["nodes"])))
+    return regions
+
+
+def _side(g: nx.DiGraph, changed: set[str], max_nodes: int) -> dict[str, Any]:
+    keep = set(changed)
+    for n in changed:
+        keep.update(g.predecessors(n))
+        keep.update(g.successors(n))
+    order = [n for n in nx.topological_sort(g) if n in keep]
+    if len(order) > max_nodes:  # keep every changed node, drop context first
+        context = [n for n in order if n not in changed]
+        drop = set(context[: len(order) - max_nodes])
+        order = [n for n in order if n not in drop]
+    kept = set(order)
+    return {
+        "nodes": [{"id": n, "label": g.nodes[n]["label"], "changed": n in changed} for n in order],
+        "edges": [[u, v] for u, v in g.edges() if u in kept and v in kept],
+        "truncated": len(keep) - len(kept),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- drawing
 
 
 def _status(status: str) -> str:
@@ -126,6 +221,16 @@ def _link(path: str | None, text: str) -> str:
     return f'<a href="{html.escape(path)}">{text}</a>' if path else ""
 
 
+def _error_cell(p: PassRecord) -> str:
+    """The lossy guard's figure: SQNR against the unmodified graph, its bound, and what was backed out."""
+    if p.error_bound_db is None:
+        return ""
+    text = html.escape(p.error_text() or f"bound {p.error_bound_db:g} dB")
+    if p.backed_out:
+        text += "<br>backed out: " + html.escape(", ".join(f"{k} {v:.1f} dB" for k, v in p.backed_out.items()))
+    return text
+
+
 def _pass_row(p: PassRecord) -> str:
     detail = html.escape(p.reason or "")
     if p.notes:
@@ -135,14 +240,14 @@ def _pass_row(p: PassRecord) -> str:
     files = " ".join(x for x in (_link(p.code_file, "code"), _link(p.diff_file, "diff")) if x)
     return (
         f"<tr><td>{html.escape(p.name)}</td><td>{_status(p.status)}</td><td>{p.matches}</td>"
-        f"<td>{p.time_ms:.1f}</td><td>{_ops_delta(p)}</td><td>{detail}</td><td>{files}</td></tr>"
+        f"<td>{p.time_ms:.1f}</td><td>{_ops_delta(p)}</td><td>{_error_cell(p)}</td><td>{detail}</td><td>{files}</td></tr>"
     )
 
 
 def _graph_section(r: GraphReport) -> str:
     out = [
         f'<h2 id="{html.escape(r.folder or str(r.index))}">{html.escape(r.folder or f"graph {r.index}")} '
-        f'<span class="muted">compile id {html.escape(r.compile_id)}, {html.escape(r.host)} on '
+        f'<span class="muted">compile id {html.escape(r.compile_id)}, {html.escape(r.codegen)} on '
         f'{html.escape(str(r.target.get("name")))}, {r.compile_ms:.0f} ms</span></h2>'
     ]
     for s in r.stages.values():
@@ -157,7 +262,7 @@ def _graph_section(r: GraphReport) -> str:
             continue
         out.append(
             "<table><tr><th>pass</th><th>status</th><th>matches</th><th>ms</th><th>op counts</th>"
-            "<th>reason / notes</th><th>files</th></tr>"
+            "<th>error (SQNR)</th><th>reason / notes</th><th>files</th></tr>"
         )
         out += [_pass_row(p) for p in s.passes]
         out.append("</table>")
@@ -185,7 +290,7 @@ def render_index(graphs: list[GraphReport]) -> str:
         stages = ", ".join(r.stages)
         rows.append(
             f'<tr><td><a href="#{html.escape(r.folder or str(r.index))}">{html.escape(r.folder or str(r.index))}</a></td>'
-            f"<td>{html.escape(r.compile_id)}</td><td>{html.escape(r.host)}</td>"
+            f"<td>{html.escape(r.compile_id)}</td><td>{html.escape(r.codegen)}</td>"
             f"<td>{html.escape(str(r.target.get('name')))}</td><td>{html.escape(stages)}</td>"
             f"<td>{html.escape(fired)}</td><td>{html.escape(', '.join(failed)) or '-'}</td></tr>"
         )
@@ -194,7 +299,7 @@ def render_index(graphs: list[GraphReport]) -> str:
         f"<style>{_CSS}</style></head><body>",
         f"<h1>kernelpytorch: what the compiler did</h1><p class='muted'>torch {html.escape(torch.__version__)}, "
         f"{len(graphs)} compiled graph(s). Raw data: <a href='summary.json'>summary.json</a>.</p>",
-        "<table><tr><th>graph</th><th>compile id</th><th>host</th><th>target</th><th>stages</th>"
+        "<table><tr><th>graph</th><th>compile id</th><th>codegen</th><th>target</th><th>stages</th>"
         "<th>passes that fired</th><th>failed</th></tr>",
         *rows,
         "</table>",

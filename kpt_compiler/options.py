@@ -4,6 +4,9 @@ Every options class here and in the passes is a frozen dataclass. ``build_option
 one, checking each key and value against the dataclass's fields and type hints, so that a typo or a wrong type
 fails with a message that names the key, what was given and what is allowed. A pass's ``__post_init__`` adds
 the checks that types alone cannot express.
+
+Passes are looked up in the registry (``kpt_compiler.registry``); this module imports nothing from the
+pipeline, the pass manager or the target.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import types
 import typing
 from typing import Any, Literal, Mapping
 
+from .errors import OptionError
+from .registry import registered_groups, registered_passes
+
 __all__ = ["OptionError", "CompileOptions", "build_options", "parse_options", "MODES"]
 
 # The modes torch.compile documents, with the meaning Inductor gives them (torch._inductor.list_mode_options).
@@ -24,10 +30,6 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 ENV_DUMP_DIR = "KPT_DUMP_DIR"  # sets dump_dir when the options do not
 ENV_DISABLE = "KPT_DISABLE"  # comma-separated pass names to switch off, for bisecting without editing code
 ENV_STRICT = "KPT_STRICT"  # "1": a failing pass raises instead of stepping aside
-
-
-class OptionError(ValueError):
-    """A compile option is unknown, of the wrong type, or cannot be honoured on this device."""
 
 
 def _closest(key: str, valid: list[str]) -> str:
@@ -144,7 +146,8 @@ class CompileOptions:
     """Everything one ``torch.compile(..., backend="kernelpytorch")`` call asked for, validated.
 
     ``passes`` maps each registered pass name to ``(enabled, its options dataclass)``. Users do not fill it
-    directly: ``options={"attention": False}`` or ``options={"fp8": {"granularity": "rowwise"}}`` do.
+    directly: ``options={"attention": False}`` or ``options={"fusion": {"decide": "measure"}}`` do. ``disable``
+    and ``pipeline`` may name groups (``"fusion"``) as well as passes.
     """
 
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = "default"
@@ -158,17 +161,15 @@ class CompileOptions:
     passes: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
     def __post_init__(self):
-        from .pipeline import registered_passes
-
-        known = registered_passes()
+        known = list(registered_passes()) + list(registered_groups())
         for name in self.disable:
             if _pass_name(name) not in known:
-                raise unknown_key_error(name, list(known), "options['disable'] (pass names)")
+                raise unknown_key_error(name, known, "options['disable'] (pass and group names)")
         if self.pipeline is not None:
             seen = set()
             for name in self.pipeline:
                 if _pass_name(name) not in known:
-                    raise unknown_key_error(name, list(known), "options['pipeline'] (pass names)")
+                    raise unknown_key_error(name, known, "options['pipeline'] (pass and group names)")
                 if _pass_name(name) in seen:
                     raise OptionError(f"options['pipeline'] names pass {name!r} twice")
                 seen.add(_pass_name(name))
@@ -182,7 +183,12 @@ class CompileOptions:
 
     # ------------------------------------------------------------------ queries the pipeline asks
     def pass_enabled(self, name: str) -> bool:
-        return self.passes[name].enabled and name not in {_pass_name(n) for n in self.disable}
+        return self.passes[name].enabled and not self.disabled_by_name(name)
+
+    def disabled_by_name(self, name: str) -> bool:
+        """Whether ``disable`` names the pass or a group it belongs to."""
+        off = {_pass_name(n) for n in self.disable}
+        return name in off or any(g in off and name in group.members for g, group in registered_groups().items())
 
     def pass_options(self, name: str) -> Any:
         return self.passes[name].options
@@ -190,8 +196,6 @@ class CompileOptions:
     def to_dict(self) -> dict[str, Any]:
         """A dict that ``parse_options(None, d)`` turns back into an equal object: passes appear only where the
         user set them or they differ from their default."""
-        from .pipeline import registered_passes
-
         out = {k: v for k, v in options_to_dict(self).items() if k != "passes"}
         specs = registered_passes()
         for name, setting in self.passes.items():
@@ -204,11 +208,13 @@ class CompileOptions:
 
 @dataclasses.dataclass(frozen=True)
 class PassSetting:
-    """One pass as the options left it: on or off, its options object, and whether the user asked for it."""
+    """One pass as the options left it: on or off, its options object, whether the user asked for it, and
+    under which key (the pass's own, or its group's)."""
 
     enabled: bool
     options: Any
     explicit: bool = False
+    key: str | None = dataclasses.field(default=None, compare=False)
 
 
 def _pass_name(key: str) -> str:
@@ -220,8 +226,6 @@ _TOP_LEVEL = [f.name for f in dataclasses.fields(CompileOptions) if f.name != "p
 
 def parse_options(mode: str | None, options: Mapping[str, Any] | None) -> CompileOptions:
     """Turn torch.compile's ``mode`` and ``options`` into a CompileOptions, or raise OptionError."""
-    from .pipeline import registered_passes
-
     if options is not None and not isinstance(options, Mapping):
         raise OptionError(f"options must be a dict, got {type(options).__name__}")
     options = dict(options or {})
@@ -239,8 +243,8 @@ def parse_options(mode: str | None, options: Mapping[str, Any] | None) -> Compil
     if isinstance(options.get("pipeline"), str):
         options["pipeline"] = [n.strip() for n in options["pipeline"].split(",") if n.strip()]
 
-    known = registered_passes()
-    top, pass_given = {}, {}
+    known, groups = registered_passes(), registered_groups()
+    top, pass_given, group_given = {}, {}, {}
     for key, value in options.items():
         if not isinstance(key, str):
             raise OptionError(f"option keys must be strings, got {key!r}")
@@ -248,25 +252,64 @@ def parse_options(mode: str | None, options: Mapping[str, Any] | None) -> Compil
             top[key] = value
         elif _pass_name(key) in known:
             pass_given[_pass_name(key)] = value
+        elif _pass_name(key) in groups:
+            group_given[_pass_name(key)] = value
         else:
-            raise _unknown_top_level(key, _TOP_LEVEL + [n.replace("-", "_") for n in known])
+            raise _unknown_top_level(key, _TOP_LEVEL + [n.replace("-", "_") for n in [*known, *groups]])
 
+    from_groups = {m: s for name, value in group_given.items() for m, s in _group_settings(groups[name], value).items()}
     passes: dict[str, PassSetting] = {}
     for name, spec in known.items():
-        value = pass_given.get(name, None)
-        where = f"options[{name.replace('-', '_')!r}]"
-        if value is None:
-            passes[name] = PassSetting(spec.default, build_options(spec.options, {}, where))
-        elif isinstance(value, bool):
-            passes[name] = PassSetting(value, build_options(spec.options, {}, where), explicit=value)
-        elif isinstance(value, Mapping):
-            passes[name] = PassSetting(True, build_options(spec.options, value, where), explicit=True)
-        else:
-            raise OptionError(
-                f"option {name.replace('-', '_')!r} must be True, False or a dict of the pass's options"
-                f" ({_field_list(spec.options)}); got {value!r}"
-            )
+        passes[name] = _pass_setting(spec, pass_given.get(name), from_groups.get(name))
     return build_options(CompileOptions, {**top, "passes": passes}, "options")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FromGroup:
+    """What a group's setting says of one member: on or off, and the group options passed on to it."""
+
+    enabled: bool | None  # None: the group's setting leaves it at its default
+    shared: dict[str, Any]
+    key: str
+
+
+def _group_settings(group, value: Any) -> dict[str, _FromGroup]:
+    where = f"options[{group.key!r}]"
+    if value is None:
+        return {}
+    if isinstance(value, bool):
+        return {m: _FromGroup(value, {}, group.key) for m in group.members}
+    if not isinstance(value, Mapping):
+        raise OptionError(f"option {group.key!r} must be True, False or a dict of the group's options "
+                          f"({_field_list(group.options)}); got {value!r}")
+    gopts = build_options(group.options, value, where)
+    given = {k.replace("-", "_") for k in value}
+    shared = {k: v for k, v in group.shared(gopts).items() if k in given}
+    return {m: _FromGroup(group.member_enabled(gopts, m), shared, group.key) for m in group.members}
+
+
+def _pass_setting(spec, value: Any, group: _FromGroup | None) -> PassSetting:
+    """A pass's setting from its own key's value and its group's, the pass's own winning where both speak."""
+    where = f"options[{spec.key!r}]"
+    fields = {f.name for f in dataclasses.fields(spec.options)}
+    shared = {k: v for k, v in group.shared.items() if k in fields} if group else {}
+    if value is None and group is None:
+        return PassSetting(spec.default, build_options(spec.options, {}, where))
+    # a pass switched off keeps its default options (what it would run with says nothing, and to_dict drops it)
+    if value is None:
+        enabled = spec.default if group.enabled is None else group.enabled
+        group_where = f"options[{group.key!r}] (for pass {spec.name!r})"
+        return PassSetting(enabled, build_options(spec.options, shared if enabled else {}, group_where),
+                           explicit=bool(group.enabled), key=group.key)
+    if isinstance(value, bool):
+        return PassSetting(value, build_options(spec.options, shared if value else {}, where), explicit=value,
+                           key=spec.key)
+    if isinstance(value, Mapping):
+        return PassSetting(True, build_options(spec.options, {**shared, **value}, where), explicit=True, key=spec.key)
+    raise OptionError(
+        f"option {spec.key!r} must be True, False or a dict of the pass's options"
+        f" ({_field_list(spec.options)}); got {value!r}"
+    )
 
 
 def _field_list(cls: type) -> str:

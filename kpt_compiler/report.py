@@ -1,6 +1,7 @@
 """What happened in a compile, as data: one GraphReport per graph Dynamo hands the backend.
 
-A GraphReport holds a StageRecord per stage the pipeline ran (pre_aot, joint, forward, backward), each with
+A GraphReport holds a StageRecord per stage the pipeline ran (pre_aot, joint, forward, backward, and wrap where
+the pipeline has passes that wrap the compiled callable), each with
 a PassRecord per pass in the pipeline for that stage. The backward stage is filled in when the backward is
 compiled, which Inductor and AOTAutograd do lazily at the first ``.backward()``.
 
@@ -10,6 +11,7 @@ compiled, which Inductor and AOTAutograd do lazily at the first ``.backward()``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from typing import Any
 
@@ -17,8 +19,16 @@ __all__ = ["PassRecord", "StageRecord", "GraphReport", "last_report", "reports",
 
 # applied: the pass changed the graph; unchanged: it ran and found nothing to do; failed: it raised or broke
 # an invariant, and the graph from before it was kept; skipped: it could not apply here (device, shapes...);
-# disabled: the options switched it off.
-STATUSES = ("applied", "unchanged", "failed", "skipped", "disabled")
+# disabled: the options switched it off; backed_out: a lossy pass whose every rewrite was over its error bound
+# (kpt_compiler.lossy_guard), so the graph from before it was kept.
+STATUSES = ("applied", "unchanged", "failed", "skipped", "disabled", "backed_out")
+
+
+def _db(value: float | None) -> float | str | None:
+    """A dB figure for JSON: rounded, or "inf" / "-inf" (JSON has no infinities)."""
+    if value is None:
+        return None
+    return round(value, 2) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
 
 
 @dataclasses.dataclass
@@ -37,6 +47,11 @@ class PassRecord:
     regions: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # changed subgraphs, for pictures
     code_file: str | None = None  # relative to the dump folder, when dumped
     diff_file: str | None = None
+    # lossy passes: the signal-to-noise ratio (dB) of the graph against the unmodified one, the bound, and the
+    # rewrites backed out with their figure on their own (kpt_compiler.lossy_guard)
+    error_db: float | None = None
+    error_bound_db: float | None = None
+    backed_out: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """The fields summary.json carries (no code, no pictures)."""
@@ -53,7 +68,17 @@ class PassRecord:
             out["reason"] = self.reason
         if self.notes:
             out["notes"] = list(self.notes)
+        if self.error_bound_db is not None:
+            out["error_db"] = _db(self.error_db)
+            out["error_bound_db"] = self.error_bound_db
+            out["backed_out"] = {k: _db(v) for k, v in self.backed_out.items()}
         return out
+
+    def error_text(self) -> str:
+        """The lossy guard's figure as one phrase ("SQNR 31.2 dB (bound 25 dB)"), or ""."""
+        if self.error_bound_db is None or self.error_db is None:
+            return ""
+        return f"SQNR {self.error_db:.1f} dB (bound {self.error_bound_db:g} dB)"
 
 
 @dataclasses.dataclass
@@ -79,7 +104,7 @@ class StageRecord:
 class GraphReport:
     index: int
     compile_id: str
-    host: str  # "inductor", "eager" or "xla": what generated code for the rewritten graph
+    codegen: str  # "inductor", "eager" or "xla": what generated code for the rewritten graph
     target: dict[str, Any]
     options: dict[str, Any]
     stages: dict[str, StageRecord] = dataclasses.field(default_factory=dict)
@@ -109,7 +134,7 @@ class GraphReport:
         return {
             "index": self.index,
             "compile_id": self.compile_id,
-            "host": self.host,
+            "codegen": self.codegen,
             "target": self.target,
             "options": self.options,
             "compile_ms": round(self.compile_ms, 3),
@@ -132,10 +157,10 @@ class GraphReport:
         """A plain-text table: one row per pass that ran."""
         rows = [("stage", "pass", "status", "matches", "ms", "detail")]
         for p in self.passes():
-            detail = p.reason or ("; ".join(p.notes[:2]) if p.notes else "")
+            detail = "; ".join(x for x in (p.error_text(), p.reason or ("; ".join(p.notes[:2]) if p.notes else "")) if x)
             rows.append((p.stage, p.name, p.status, str(p.matches), f"{p.time_ms:.1f}", detail[:80]))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        head = f"graph {self.index} (compile id {self.compile_id}, {self.host} on {self.target.get('name')})"
+        head = f"graph {self.index} (compile id {self.compile_id}, {self.codegen} on {self.target.get('name')})"
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         if len(rows) == 1:
             lines.append("  (no passes in the pipeline)")

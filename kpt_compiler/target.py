@@ -1,8 +1,8 @@
 """The target: which device a compiled graph runs on, and what that device can do.
 
 Detected from the example inputs Dynamo hands the backend (the device of their tensors), checked against
-``options.device``. Passes read capabilities from here (``target.has_fp8``), never from torch.cuda directly,
-so tests can ask what a pass would do on another device.
+the ``device`` option. Passes read capabilities from here (``target.has_fp8``), never from torch.cuda directly,
+so tests can ask what a pass would do on another device (``Target("cuda", "NVIDIA A100-SXM4-80GB", (8, 0))``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .options import CompileOptions, OptionError
+from .errors import OptionError
 
 __all__ = ["Target", "detect_target"]
 
@@ -42,6 +42,13 @@ class Target:
     @property
     def has_triton(self) -> bool:
         return self.is_cuda
+
+    @property
+    def card(self) -> str:
+        """The card as calibration files name it: ``NVIDIA H100 80GB HBM3 (sm_90)``; the device type elsewhere."""
+        if self.is_cuda and self.capability is not None:
+            return f"{self.name} (sm_{self.capability[0]}{self.capability[1]})"
+        return self.name
 
     def describe(self) -> str:
         if self.is_cuda:
@@ -75,8 +82,8 @@ def cuda_target(index: int | None = None) -> Target:
     )
 
 
-def detect_target(example_inputs: Sequence[Any], options: CompileOptions) -> Target:
-    """The device the graph's inputs live on; ``options.device`` must agree unless it is "auto"."""
+def detect_target(example_inputs: Sequence[Any], asked: str = "auto") -> Target:
+    """The device the graph's inputs live on; ``asked`` (the ``device`` option) must agree unless it is "auto"."""
     devices = _input_devices(example_inputs)
     types = {d.type for d in devices}
     if "xla" in types:
@@ -89,7 +96,6 @@ def detect_target(example_inputs: Sequence[Any], options: CompileOptions) -> Tar
         raise OptionError(
             f"kernelpytorch compiles for cuda, cpu and xla; this graph's inputs are on {sorted(types)}"
         )
-    asked = options.device
     if asked != "auto" and asked != found and devices:
         raise OptionError(
             f"options['device']={asked!r}, but the graph's inputs are on {found!r}: move the model and its inputs "

@@ -1,7 +1,15 @@
 """kernelpytorch's graph passes, one file each (installed as ``kpt_compiler.passes``).
 
-Importing this package registers every pass below with the pass manager; the order they run in is
-``kpt_compiler.pipeline.DEFAULT_PIPELINE``. The rules a pass must keep are in README.md beside this file.
+Importing this package registers every pass below, and the fusion group (``_fusion_common``), with the
+registry; the order they run in is ``kpt_compiler.pipeline.DEFAULT_PIPELINE``. Modules whose names start with
+an underscore hold what several passes share. The rules a pass must keep are in README.md beside this file.
 """
 
-from . import attention, fusion  # noqa: F401  (importing registers them)
+from . import (  # noqa: F401  (importing registers them)
+    attention,
+    fold_conv_bn,
+    fuse_add_norm,
+    fuse_gated_linear,
+    fuse_linear_epilogue,
+    merge_parallel_linears,
+)

@@ -127,3 +127,53 @@ def untraceable(gm, ctx):
             ctx.count()
             changed = True
     return changed
+
+
+# ---------------------------------------------------------------------------------------------- lossy
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundOptions:
+    step: float = 0.02  # tanh's input is rounded to a multiple of this: the error this pass makes
+    name_rewrites: bool = True  # ctx.propose(node name) before each rewrite, so the guard can back out one
+    error_bound_db: float = 30.0
+
+
+def rounded_tanh(x, step):
+    return torch.tanh(torch.round(x / step) * step)
+
+
+@graph_pass("test-lossy-round", summary="tanh(x) -> tanh(round(x / step) * step): lossy, with a bound in dB",
+            stage="pre_aot", default=False, options=RoundOptions, lossy=True, error_bound_db=30.0)
+def round_tanh_inputs(gm, ctx):
+    changed = False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.tanh:
+            if ctx.options.name_rewrites and not ctx.propose(node.name):
+                continue
+            node.target, node.args = rounded_tanh, (node.args[0], ctx.options.step)
+            ctx.count()
+            changed = True
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------- wrap
+
+CALLS = {"test-wrap-count": 0}
+
+
+@graph_pass("test-wrap-count", summary="wraps the compiled callable to count its calls", stage="wrap",
+            default=False)
+def count_calls(compiled, ctx):
+    assert isinstance(ctx.graph_module, torch.fx.GraphModule)
+    ctx.count()
+
+    def counted(*args):
+        CALLS["test-wrap-count"] += 1
+        return compiled(*args)
+    return counted
+
+
+@graph_pass("test-wrap-raise", summary="a wrap pass that fails", stage="wrap", default=False)
+def wrap_and_raise(compiled, ctx):
+    raise RuntimeError("test-wrap-raise: failing on purpose")

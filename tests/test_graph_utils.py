@@ -4,7 +4,7 @@ import torch
 import torch.fx as fx
 
 from kpt_compiler import graph_utils
-from kpt_compiler.html_report import region_svg
+from kpt_compiler.html_report import changed_regions, region_svg
 
 
 def _gm():
@@ -51,7 +51,7 @@ def test_changed_regions_find_the_rewrite_and_its_neighbours():
         new = gm.graph.call_function(torch.tanh, (relu.args[0],))
     relu.replace_all_uses_with(new)
     gm.graph.erase_node(relu)
-    [region] = graph_utils.changed_regions(snap.graph, gm.graph)
+    [region] = changed_regions(snap.graph, gm.graph)
     before = {n["label"]: n["changed"] for n in region["before"]["nodes"]}
     after = {n["label"]: n["changed"] for n in region["after"]["nodes"]}
     assert before["relu"] is True and after["tanh"] is True
@@ -66,4 +66,4 @@ def test_changed_regions_find_the_rewrite_and_its_neighbours():
 def test_no_change_no_region():
     gm = _gm()
     snap = graph_utils.snapshot(gm)
-    assert graph_utils.changed_regions(snap.graph, gm.graph) == []
+    assert changed_regions(snap.graph, gm.graph) == []

@@ -71,7 +71,7 @@ def test_inductor_inference_with_a_failing_post_grad_pass():
         out = compiled(x)
     assert _rel_err(out, ref_model(xr)) < RTOL
     report = kpt_compiler.last_report()
-    assert report.host == "inductor"
+    assert report.codegen == "inductor"
     assert report.pass_record("test-relu-to-clamp").status == "applied"
     assert report.pass_record("test-raise", "forward").status == "failed"
 

@@ -5,7 +5,7 @@ import torch
 
 import kpt_compiler
 from kpt_compiler import OptionError, parse_options
-from kpt_compiler.pipeline import GraphPass, register_pass, unregister_pass
+from kpt_compiler.registry import GraphPass, register_pass, unregister_pass
 
 from models import make
 

@@ -1,5 +1,7 @@
 """The pass manager: isolation, invariants, switching passes off by name, and the report."""
 
+import re
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def test_applied_pass_is_reported_and_keeps_numerics():
     assert rec.ops_after["clamp_min"] == 2 and "relu" not in rec.ops_after
     assert "-" in rec.diff and "aten.clamp_min.default" in rec.diff
     assert report.fired() == ["test-relu-to-clamp"]
-    assert report.host == "eager" and report.target["device"] == "cpu"
+    assert report.codegen == "eager" and report.target["device"] == "cpu"
     assert set(report.stages) == {"pre_aot", "joint", "forward"}
 
 
@@ -140,7 +142,7 @@ def test_report_table_and_dict():
     compiled(x)
     report = kpt_compiler.last_report()
     table = report.table()
-    assert "test-relu-to-clamp  applied" in table and "RuntimeError: test-raise" in table
+    assert re.search(r"test-relu-to-clamp +applied", table) and "RuntimeError: test-raise" in table
     d = report.to_dict()
     statuses = {p["name"]: p["status"] for s in d["stages"].values() for p in s["passes"]}
     assert statuses["test-relu-to-clamp"] == "applied" and statuses["test-raise"] == "failed"
@@ -148,15 +150,46 @@ def test_report_table_and_dict():
 
 
 def test_fingerprint_depends_on_options():
-    from kpt_compiler.pipeline import CompileRun
+    from kpt_compiler.pass_manager import PassManager
     from kpt_compiler.report import GraphReport
     from kpt_compiler.target import Target
 
     def fp(options):
-        rep = GraphReport(index=0, compile_id="-", host="inductor", target={}, options={})
-        return CompileRun(None, parse_options(None, options), Target("cpu", "cpu"), rep).fingerprint()
+        rep = GraphReport(index=0, compile_id="-", codegen="inductor", target={}, options={})
+        return PassManager(parse_options(None, options), Target("cpu", "cpu"), rep).fingerprint()
 
     assert fp({}) == fp({})
     assert fp({}) != fp({"test_relu_to_clamp": True})
     assert fp({"test_scale_outputs": {"factor": 2}}) != fp({"test_scale_outputs": {"factor": 3}})
     assert fp({"dump_dir": "a"}) == fp({"dump_dir": "b"})  # where files go does not change the code
+
+
+def test_wrap_passes_wrap_the_compiled_callable():
+    from kpt_test_passes import CALLS
+
+    model, x, compiled = _eager_compile("mlp", {"test_wrap_count": True})
+    CALLS["test-wrap-count"] = 0
+    for _ in range(3):
+        torch.testing.assert_close(compiled(x), model(x))
+    assert CALLS["test-wrap-count"] == 3
+    report = kpt_compiler.last_report()
+    rec = report.pass_record("test-wrap-count", "wrap")
+    assert rec.status == "applied" and rec.matches == 1 and list(report.stages)[-1] == "wrap"
+    assert "wrap: test-wrap-count" in describe_pipeline(parse_options(None, {"test_wrap_count": True}))
+
+
+def test_a_wrap_pass_that_raises_is_left_out():
+    model, x, compiled = _eager_compile("mlp", {"test_wrap_raise": True})
+    torch.testing.assert_close(compiled(x), model(x))
+    rec = kpt_compiler.last_report().pass_record("test-wrap-raise", "wrap")
+    assert rec.status == "failed" and "failing on purpose" in rec.reason
+    torch._dynamo.reset()
+    _model, x, strict = _eager_compile("mlp", {"test_wrap_raise": True, "strict": True})
+    with pytest.raises(Exception, match=r"pass 'test-wrap-raise' failed in stage 'wrap' \(strict=True\)"):
+        strict(x)
+
+
+def test_no_wrap_stage_in_the_report_when_no_wrap_pass_is_on():
+    _model, x, compiled = _eager_compile("mlp", {})
+    compiled(x)
+    assert "wrap" not in kpt_compiler.last_report().stages

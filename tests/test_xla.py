@@ -37,7 +37,7 @@ def test_inference_through_openxla(xla_device):
         out = compiled(x.to(xla_device))
     assert _rel_err(out.cpu(), ref) < 1e-5
     report = kpt_compiler.last_report()
-    assert report.host == "xla" and report.target["device"] == "xla"
+    assert report.codegen == "xla" and report.target["device"] == "xla"
     assert report.pass_record("test-relu-to-clamp").status == "applied"
     # the rewritten graph is what XLA ran: scaling outputs shows up in the result
     torch._dynamo.reset()

@@ -39,7 +39,7 @@ def test_inductor_on_cuda_with_a_joint_rewrite(mode):
             out = compiled(x.cuda())
     assert relative_error(out, ref) < 1e-2  # TF32 convolutions allowed
     report = kpt_compiler.last_report()
-    assert report.host == "inductor" and report.pass_record("test-relu-to-clamp").status == "applied"
+    assert report.codegen == "inductor" and report.pass_record("test-relu-to-clamp").status == "applied"
 
 
 def test_training_step_on_cuda_bf16():

@@ -1,18 +1,18 @@
-"""How the hosts are configured: Inductor modes, user Inductor options, hook chaining; device checks."""
+"""How the emitters are configured: Inductor modes, user Inductor options, hook chaining; device checks."""
 
 import pytest
 import torch
 
 from kpt_compiler import OptionError, parse_options
-from kpt_compiler.hosts import inductor_config_patches
-from kpt_compiler.pipeline import CompileRun
+from kpt_compiler.emitters import inductor_config_patches
+from kpt_compiler.pass_manager import PassManager
 from kpt_compiler.report import GraphReport
 from kpt_compiler.target import Target, detect_target
 
 
 def _run(mode=None, options=None, target=Target("cpu", "cpu")):
-    rep = GraphReport(index=0, compile_id="-", host="inductor", target={}, options={})
-    return CompileRun(None, parse_options(mode, options), target, rep)
+    rep = GraphReport(index=0, compile_id="-", codegen="inductor", target={}, options={})
+    return PassManager(parse_options(mode, options), target, rep)
 
 
 @pytest.mark.parametrize("mode, expected", [
@@ -61,11 +61,10 @@ def test_hooks_chain_a_custom_pass_the_user_installed():
 
 
 def test_target_from_inputs():
-    opts = parse_options(None, None)
-    assert detect_target([torch.randn(2), 3], opts).device == "cpu"
-    assert detect_target([], opts).device == "cpu"
+    assert detect_target([torch.randn(2), 3]).device == "cpu"
+    assert detect_target([]).device == "cpu"
     with pytest.raises(OptionError, match="options\\['device'\\]='xla'.*inputs are on 'cpu'"):
-        detect_target([torch.randn(2)], parse_options(None, {"device": "xla"}))
+        detect_target([torch.randn(2)], "xla")
 
 
 def test_target_capabilities():

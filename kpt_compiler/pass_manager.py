@@ -1,0 +1,308 @@
+"""The pass manager: runs one stage of the pipeline on one graph, and owns everything around a pass.
+
+Passes stay small because this module does the rest: switching a pass off by name, device checks, timing, a
+snapshot to fall back to when a pass raises or breaks an invariant, diffs and op counts for the report, the
+dumps, and, for lossy passes, the guard that measures their error and backs out a rewrite over its bound
+(``lossy_guard``). One ``PassManager`` serves one call of the backend (one Dynamo graph): the emitters call
+``run_stage`` at each stage of the compile, and the backend calls ``run_wrap_stage`` on the compiled callable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import logging
+import os
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import graph_utils
+from .cost_model import CostModel
+from .errors import OptionError, PassFailed, PassSkipped
+from .lossy_guard import LossyGuard
+from .options import CompileOptions
+from .pipeline import resolve_pipeline
+from .registry import GraphPass, PassContext
+from .report import GraphReport, PassRecord, StageRecord
+from .target import Target
+
+__all__ = ["PassManager"]
+
+log = logging.getLogger("kpt_compiler")
+
+_PACKAGE_ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _source_hash(paths: list[str]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(set(paths)):
+        with open(path, "rb") as f:
+            h.update(path.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+def _package_sources() -> list[str]:
+    out = []
+    for base, _dirs, files in os.walk(_PACKAGE_ROOT):
+        out += [os.path.join(base, f) for f in files if f.endswith((".py", ".json"))]
+    return out
+
+
+class PassManager:
+    """One call of the backend: its options, target and report, and the passes of each stage."""
+
+    def __init__(self, options: CompileOptions, target: Target, report: GraphReport, dump=None,
+                 codegen: str = "inductor", example_inputs: Sequence[Any] = ()):
+        self.options = options
+        self.codegen = codegen
+        self.target = target
+        self.report = report
+        self.dump = dump  # a dump.DumpWriter or None
+        self.example_inputs = list(example_inputs)  # Dynamo's, for the pre_aot graph
+        self.pipeline = resolve_pipeline(options)
+        self.cost_model = CostModel(target, options.mode, codegen)
+        self.aot_contexts: list[Callable[[], Any]] = []  # from pre_aot passes that applied
+        # (stage, is_inference) of the graph an emitter is compiling now, for hooks that are not told (Inductor's)
+        self.emitter_stage: list[tuple[str, bool]] = []
+        self._fingerprint: str | None = None
+
+    # -------------------------------------------------------------- identity, for Inductor's caches
+    def fingerprint(self) -> str:
+        """Identity of what the pipeline does: the source of our package (calibration files included) and of
+        each pass, the options and the target.
+
+        Inductor puts it in its FX-graph and AOTAutograd cache keys (CustomGraphPass.uuid), so a changed
+        option, pass or calibration never returns an artifact compiled by another pipeline.
+        """
+        if self._fingerprint is None:
+            files = _package_sources()
+            for spec in self.pipeline:
+                src = inspect.getsourcefile(spec.run)
+                if src:
+                    files.append(os.path.abspath(src))
+            opts = {k: v for k, v in self.options.to_dict().items() if k != "dump_dir"}
+            self._fingerprint = hashlib.sha256(
+                (_source_hash(files) + repr(sorted(opts.items(), key=str)) + repr(self.target.to_dict())).encode()
+            ).hexdigest()
+        return self._fingerprint
+
+    # -------------------------------------------------------------- checks made once, before compiling
+    def check_requested_passes(self) -> None:
+        """A pass the user asked for that this device cannot run is an error, not a silent skip."""
+        for spec in self.pipeline:
+            setting = self.options.passes[spec.name]
+            if setting.explicit and self.options.pass_enabled(spec.name):
+                reason = spec.unsupported_reason(self.target, setting.options)
+                if reason:
+                    key = setting.key or spec.key
+                    what = f"pass {spec.name!r} (through options[{key!r}])" if key != spec.key else f"options[{key!r}]"
+                    raise OptionError(
+                        f"{what} was asked for, but {reason}. Remove it or set options[{key!r}]=False for this "
+                        "device."
+                    )
+
+    # -------------------------------------------------------------- graph stages
+    def stage_done(self, gm: fx.GraphModule, stage: str) -> bool:
+        """Inductor 2.9 calls the joint custom pass twice on one graph; run each stage once per graph."""
+        done = gm.meta.setdefault("kpt_stages_done", set())
+        if stage in done:
+            return True
+        done.add(stage)
+        return False
+
+    def run_stage(self, gm: fx.GraphModule, stage: str, is_inference: bool | None = None) -> StageRecord:
+        if is_inference is None:
+            is_inference = not any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
+        start = time.perf_counter()
+        record = StageRecord(stage=stage, is_inference=is_inference)
+        record.ops_before = graph_utils.op_counts(gm.graph)
+        record.nodes_before = len(gm.graph.nodes)
+        self.report.stages[stage] = record
+        code = graph_utils.readable_code(gm) if self.dump is not None else None
+        if self.dump is not None:
+            self.dump.begin_stage(self.report, record, gm, code)
+        passes = [spec for spec in self.pipeline if spec.stage == stage]
+        inputs = _Once(lambda: self.example_inputs if stage == "pre_aot" else graph_utils.random_inputs(gm))
+        guard = None
+        if any(spec.lossy and self._enabled(spec) for spec in passes):
+            guard = LossyGuard(gm, inputs())  # the unmodified graph's outputs, before any pass of the stage
+        for spec in passes:
+            rec, code, before = self._run_pass(spec, gm, stage, is_inference, code, inputs, guard)
+            record.passes.append(rec)
+            if self.dump is not None:
+                self.dump.write_pass(self.report, record, rec, gm, code, before)
+        record.ops_after = graph_utils.op_counts(gm.graph)
+        record.nodes_after = len(gm.graph.nodes)
+        record.time_ms = (time.perf_counter() - start) * 1e3
+        if self.dump is not None:
+            self.dump.end_stage(self.report, record)
+        return record
+
+    def _enabled(self, spec: GraphPass) -> bool:
+        return self.options.pass_enabled(spec.name) and not spec.unsupported_reason(
+            self.target, self.options.pass_options(spec.name))
+
+    def _context(self, spec: GraphPass, stage: str, is_inference: bool, inputs: Callable[[], list],
+                 allowed: frozenset[str] | None = None, graph_module: fx.GraphModule | None = None) -> PassContext:
+        return PassContext(options=self.options.pass_options(spec.name), target=self.target, stage=stage,
+                           is_inference=is_inference, mode=self.options.mode, codegen=self.codegen,
+                           cost_model=self.cost_model, allowed=allowed, inputs_fn=inputs, graph_module=graph_module)
+
+    def _skip_reason(self, spec: GraphPass, rec: PassRecord) -> bool:
+        """Fill ``rec`` and say so when the pass does not run at all (switched off, or not for this target)."""
+        if not self.options.pass_enabled(spec.name):
+            rec.status, rec.reason = "disabled", "switched off by the options"
+            return True
+        reason = spec.unsupported_reason(self.target, self.options.pass_options(spec.name))
+        if reason:
+            rec.status, rec.reason = "skipped", reason
+            return True
+        return False
+
+    def _run_pass(self, spec: GraphPass, gm, stage, is_inference, code_before, inputs, guard):
+        rec = PassRecord(name=spec.name, stage=stage, status="unchanged")
+        if self._skip_reason(spec, rec):
+            return rec, code_before, None
+        snap = graph_utils.snapshot(gm)
+        rec.ops_before = graph_utils.op_counts(gm.graph)
+
+        def attempt(allowed: frozenset[str] | None) -> tuple[bool, PassContext]:
+            ctx = self._context(spec, stage, is_inference, inputs, allowed)
+            attempt.ctx = ctx  # what the pass counted, also when it raises
+            changed = bool(spec.run(gm, ctx))
+            if changed:
+                gm.recompile()
+                self._check_invariants(spec, gm, snap, stage)
+            return changed, ctx
+
+        start = time.perf_counter()
+        try:
+            changed, ctx = attempt(None)
+            if spec.lossy and guard is not None and changed:
+                changed, ctx = guard.check(spec, spec.bound_db(ctx.options), gm, snap, ctx, attempt, rec)
+        except PassSkipped as e:
+            rec.time_ms = (time.perf_counter() - start) * 1e3
+            graph_utils.restore(gm, snap)
+            rec.status, rec.reason = "skipped", str(e)
+            return rec, code_before, None
+        except Exception as e:  # noqa: BLE001 - isolation is the point: the user's compile goes on
+            rec.time_ms = (time.perf_counter() - start) * 1e3
+            graph_utils.restore(gm, snap)
+            ctx = getattr(attempt, "ctx", None)
+            rec.status, rec.reason = "failed", f"{type(e).__name__}: {e}"
+            rec.stats, rec.notes = (dict(ctx.stats), list(ctx.notes)) if ctx else ({}, [])
+            log.warning("kernelpytorch: pass %r failed in stage %s and was rolled back: %s", spec.name, stage,
+                        rec.reason)
+            if self.options.strict:
+                raise PassFailed(f"pass {spec.name!r} failed in stage {stage!r} (strict=True): {rec.reason}") from e
+            return rec, code_before, None
+        rec.time_ms = (time.perf_counter() - start) * 1e3
+        rec.stats, rec.notes = dict(ctx.stats), rec.notes + list(ctx.notes)
+        rec.matches = ctx.stats.get("matches", 0)
+        rec.ops_after = graph_utils.op_counts(gm.graph)
+        if not changed:
+            return rec, code_before, None
+        rec.status = "applied"
+        self.aot_contexts += ctx.aot_contexts
+        before = code_before if code_before is not None else graph_utils.readable_code(gm, snap.graph)
+        after = graph_utils.readable_code(gm)
+        rec.diff = graph_utils.unified_diff(before, after, f"before {spec.name}", f"after {spec.name}")
+        return rec, after, snap.graph
+
+    def _check_invariants(self, spec: GraphPass, gm: fx.GraphModule, snap, stage: str) -> None:
+        """What every pass must leave true (passes/README.md); a pass that breaks it is rolled back."""
+        gm.graph.lint()
+        if _signature(gm.graph) != _signature(snap.graph):
+            raise RuntimeError(
+                f"pass {spec.name!r} changed the graph's inputs or outputs (their number, shapes or dtypes): "
+                f"{_signature(snap.graph)} -> {_signature(gm.graph)}"
+            )
+        if stage == "pre_aot":
+            return
+        old = {n.name for n in snap.graph.nodes}
+        for node in gm.graph.nodes:
+            if node.name in old or node.op in ("output", "get_attr"):
+                continue
+            if "val" not in node.meta:
+                raise RuntimeError(f"pass {spec.name!r} added node {node.name!r} ({node.target}) without meta['val']")
+            target = node.target
+            if not spec.mutates and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+                raise RuntimeError(
+                    f"pass {spec.name!r} added the mutating op {target} in stage {stage!r}; the graph must stay "
+                    "functional (declare mutates=True and run last if that is intended)"
+                )
+
+    # -------------------------------------------------------------- the wrap stage
+    def run_wrap_stage(self, compiled: Callable, gm: fx.GraphModule, is_inference: bool) -> Callable:
+        """Give the compiled callable to each ``wrap`` pass in turn; each may return a wrapper (applied) or None.
+
+        A wrapper is called as the callable it wraps is: where that one takes its inputs as one list
+        (``_boxed_call``, as AOTAutograd's callables do), the wrapper is marked so too. A wrap pass that raises
+        is reported as failed and the callable it got goes on unwrapped (``strict=True`` raises instead).
+        """
+        passes = [spec for spec in self.pipeline if spec.stage == "wrap"]
+        if not any(self.options.pass_enabled(spec.name) for spec in passes):
+            return compiled  # no wrap stage in the report unless one of its passes is on
+        start = time.perf_counter()
+        record = self.report.stages["wrap"] = StageRecord(stage="wrap", is_inference=is_inference)
+        for spec in passes:
+            rec = PassRecord(name=spec.name, stage="wrap", status="unchanged")
+            record.passes.append(rec)
+            if self._skip_reason(spec, rec):
+                continue
+            ctx = self._context(spec, "wrap", is_inference, lambda: self.example_inputs, graph_module=gm)
+            t0 = time.perf_counter()
+            try:
+                wrapped = spec.run(compiled, ctx)
+            except PassSkipped as e:
+                rec.status, rec.reason = "skipped", str(e)
+                wrapped = None
+            except Exception as e:  # noqa: BLE001 - as for graph passes: the compile goes on
+                rec.status, rec.reason = "failed", f"{type(e).__name__}: {e}"
+                log.warning("kernelpytorch: wrap pass %r failed and was left out: %s", spec.name, rec.reason)
+                if self.options.strict:
+                    raise PassFailed(f"pass {spec.name!r} failed in stage 'wrap' (strict=True): {rec.reason}") from e
+                wrapped = None
+            rec.time_ms = (time.perf_counter() - t0) * 1e3
+            rec.stats, rec.notes = dict(ctx.stats), list(ctx.notes)
+            rec.matches = ctx.stats.get("matches", 0)
+            if wrapped is not None and wrapped is not compiled:
+                if getattr(compiled, "_boxed_call", False) and not hasattr(wrapped, "_boxed_call"):
+                    wrapped._boxed_call = True
+                compiled, rec.status = wrapped, "applied"
+        record.time_ms = (time.perf_counter() - start) * 1e3
+        if self.dump is not None:
+            self.dump.wrap_stage(self.report, record)
+        return compiled
+
+
+class _Once:
+    """A value computed on first use (example inputs: random ones are made only if a pass reads them)."""
+
+    def __init__(self, fn: Callable[[], Any]):
+        self.fn, self.done, self.value = fn, False, None
+
+    def __call__(self) -> Any:
+        if not self.done:
+            self.value, self.done = self.fn(), True
+        return self.value
+
+
+def _signature(graph: fx.Graph) -> tuple:
+    """How the graph is called: its inputs and outputs as (shape, dtype), where meta records them."""
+
+    def describe(node: Any) -> Any:
+        if not isinstance(node, fx.Node):
+            return repr(node)
+        val = node.meta.get("val", node.meta.get("example_value"))
+        if isinstance(val, torch.Tensor):
+            return (tuple(val.shape), val.dtype)
+        return type(val).__name__
+
+    inputs = tuple(describe(n) for n in graph.nodes if n.op == "placeholder")
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    outputs = tuple(describe(a) for a in torch.utils._pytree.tree_leaves(output.args[0]))
+    return inputs, outputs

@@ -1,0 +1,248 @@
+"""The pass registry: what a pass is (``GraphPass``), what it gets (``PassContext``), and groups of passes.
+
+A pass is data: a kebab-case name, a one-line summary, the stage it runs in, a frozen options dataclass, the
+statistics it counts, and one entry function. ``@graph_pass(...)`` declares one and registers it. For the graph
+stages the entry function is ``run(gm, ctx) -> bool``: it rewrites an FX GraphModule in place and says whether
+it changed it. For the ``wrap`` stage it is ``run(compiled, ctx) -> callable | None``: it wraps the callable
+code generation produced (bucketing pads inputs and slices outputs; CUDA-graph capture records and replays)
+and returns the wrapper, or None to leave it as it is.
+
+A group (``PassGroup``) names several passes that users switch and configure together: ``options={"fusion":
+False}`` turns off every pass in the fusion group, ``{"fusion": {"decide": "measure"}}`` gives each of them
+that option. Each member stays a pass of its own (its own name, statistics, place in the pipeline, record in
+the report), so it can be disabled, timed, dumped and bisected alone.
+
+This module imports no other kernelpytorch module but ``errors`` and ``target``: the options, the pipeline and
+the pass manager build on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, Callable, Mapping
+
+import torch.fx as fx
+
+from .target import Target
+
+__all__ = [
+    "STAGES",
+    "GRAPH_STAGES",
+    "NoOptions",
+    "PassContext",
+    "GraphPass",
+    "PassGroup",
+    "graph_pass",
+    "register_pass",
+    "unregister_pass",
+    "registered_passes",
+    "register_group",
+    "registered_groups",
+]
+
+# Stages, in the order a compile meets them:
+#   pre_aot   the graph Dynamo captured (torch IR, may mutate); runs in the backend before AOTAutograd
+#   joint     the functional ATen graph before the forward/backward split (the joint graph when training,
+#             the inference graph otherwise), so a fused op brings its own backward
+#   forward   the forward graph after the split (after Inductor's decompositions)
+#   backward  the backward graph after the split; compiled lazily at the first .backward()
+#   wrap      the compiled callable, after code generation: passes that wrap it instead of rewriting a graph
+GRAPH_STAGES = ("pre_aot", "joint", "forward", "backward")
+STAGES = GRAPH_STAGES + ("wrap",)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """For passes that take no options."""
+
+
+@dataclasses.dataclass
+class PassContext:
+    """What a pass gets besides the graph: its options, the target, and where to count and explain.
+
+    ``codegen`` is what generates code for the rewritten graph ("inductor", "eager" or "xla");
+    ``cost_model`` answers "is our rewrite faster here?" for this target and mode (kpt_compiler.cost_model);
+    ``example_inputs`` are inputs to run the graph on: the real ones Dynamo gave for pre_aot, random ones of
+    the recorded shapes and dtypes for later stages (computed when first read).
+    """
+
+    options: Any
+    target: Target
+    stage: str
+    is_inference: bool
+    mode: str
+    codegen: str = "inductor"
+    cost_model: Any = None
+    stats: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    notes: list[str] = dataclasses.field(default_factory=list)
+    # context managers (as factories) to hold while AOTAutograd traces; see during_aot
+    aot_contexts: list[Callable[[], Any]] = dataclasses.field(default_factory=list)
+    # the wrap stage: the Dynamo graph the compiled callable runs (after the pre_aot passes)
+    graph_module: fx.GraphModule | None = None
+    # lossy passes: the labels of the rewrites proposed, and which may be made (None: all)
+    proposed: list[str] = dataclasses.field(default_factory=list)
+    allowed: frozenset[str] | None = None
+    inputs_fn: Callable[[], list[Any]] | None = dataclasses.field(default=None, repr=False)
+    _inputs: list[Any] | None = dataclasses.field(default=None, repr=False)
+
+    def count(self, stat: str = "matches", n: int = 1) -> None:
+        self.stats[stat] += n
+
+    def near_miss(self, reason: str) -> None:
+        """Record a candidate the pass looked at and left alone, with why (shown in the report)."""
+        self.stats["near_misses"] += 1
+        self.notes.append(f"near miss: {reason}")
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+    def propose(self, label: str) -> bool:
+        """A lossy pass asks before each rewrite, naming it (e.g. the node it replaces); False means the pass
+        manager backed this rewrite out (its error was over the pass's bound) and the pass must leave it."""
+        self.proposed.append(label)
+        return self.allowed is None or label in self.allowed
+
+    def during_aot(self, context_factory: Callable[[], Any]) -> None:
+        """Hold ``context_factory()`` while AOTAutograd traces this graph (pre_aot passes only): for choices the
+        dispatcher makes at trace time, such as which SDPA kernel a scaled_dot_product_attention call becomes."""
+        if self.stage != "pre_aot":
+            raise RuntimeError("during_aot is for pre_aot passes: later stages run after the trace")
+        self.aot_contexts.append(context_factory)
+
+    @property
+    def example_inputs(self) -> list[Any]:
+        if self._inputs is None:
+            if self.inputs_fn is None:
+                raise RuntimeError("this context has no example inputs")
+            self._inputs = list(self.inputs_fn())
+        return self._inputs
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPass:
+    name: str
+    summary: str
+    stage: str
+    run: Callable[..., Any]
+    options: type = NoOptions
+    statistics: tuple[str, ...] = ("matches",)
+    default: bool = True  # on unless the options switch it off; lossy passes are off by default
+    # A lossy pass changes results within a stated error: the pass manager runs the graph before and after it
+    # on the example inputs and backs out a rewrite whose signal-to-noise ratio (dB) is under the bound (the
+    # options' ``error_bound_db`` field where they have one, else this).
+    lossy: bool = False
+    error_bound_db: float | None = None
+    # Returns why the pass cannot run on this target with these options, or None when it can.
+    supports: Callable[[Target, Any], str | None] | None = None
+    # A pass that introduces mutation (in-place ops) must say so; it then belongs at the end of its stage.
+    mutates: bool = False
+
+    def __post_init__(self):
+        if self.stage not in STAGES:
+            raise ValueError(f"pass {self.name!r}: stage must be one of {STAGES}, got {self.stage!r}")
+        if not self.name or self.name != self.name.lower() or "_" in self.name or " " in self.name:
+            raise ValueError(f"pass names are kebab-case (like 'fuse-attention'); got {self.name!r}")
+        if not dataclasses.is_dataclass(self.options) or not self.options.__dataclass_params__.frozen:
+            raise ValueError(f"pass {self.name!r}: options must be a frozen dataclass")
+        if self.lossy and self.default:
+            raise ValueError(f"pass {self.name!r} is lossy, so it must be off by default")
+        if self.lossy and self.error_bound_db is None:
+            raise ValueError(f"pass {self.name!r} is lossy, so it must state its error bound (error_bound_db, in dB)")
+        if self.lossy and self.stage == "wrap":
+            raise ValueError(f"pass {self.name!r}: the lossy guard measures graphs; a wrap pass cannot be lossy")
+
+    @property
+    def key(self) -> str:
+        """The key in torch.compile's options dict: the name with '_' for '-'."""
+        return self.name.replace("-", "_")
+
+    def unsupported_reason(self, target: Target, options: Any) -> str | None:
+        return self.supports(target, options) if self.supports else None
+
+    def bound_db(self, options: Any) -> float | None:
+        """The error bound this pass holds to with these options (lossy passes only)."""
+        if not self.lossy:
+            return None
+        return float(getattr(options, "error_bound_db", None) or self.error_bound_db)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassGroup:
+    """Passes that users switch and configure together under one options key (see the module docstring).
+
+    ``options`` is the group's frozen options dataclass. Its fields named in ``toggles`` switch one member
+    each (``{"fusion": {"gated": False}}`` turns off ``fuse-gated-linear``); the others are passed on to every
+    member whose options have a field of that name (``{"fusion": {"decide": "measure"}}``).
+    """
+
+    name: str
+    summary: str
+    members: tuple[str, ...]
+    options: type = NoOptions
+    toggles: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not dataclasses.is_dataclass(self.options) or not self.options.__dataclass_params__.frozen:
+            raise ValueError(f"group {self.name!r}: options must be a frozen dataclass")
+        fields = {f.name for f in dataclasses.fields(self.options)}
+        for field, member in self.toggles.items():
+            if field not in fields or member not in self.members:
+                raise ValueError(f"group {self.name!r}: toggle {field!r} -> {member!r} names no field or member")
+
+    @property
+    def key(self) -> str:
+        return self.name.replace("-", "_")
+
+    def shared(self, options: Any) -> dict[str, Any]:
+        """The group options passed on to its members: every field that is not a member's toggle."""
+        return {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in self.toggles}
+
+    def member_enabled(self, options: Any, member: str) -> bool:
+        return all(getattr(options, field) for field, m in self.toggles.items() if m == member)
+
+
+_REGISTRY: dict[str, GraphPass] = {}
+_GROUPS: dict[str, PassGroup] = {}
+
+
+def register_pass(spec: GraphPass) -> GraphPass:
+    if spec.name in _REGISTRY and _REGISTRY[spec.name].run is not spec.run:
+        raise ValueError(f"a pass named {spec.name!r} is already registered")
+    if spec.name in _GROUPS:
+        raise ValueError(f"{spec.name!r} is the name of a pass group")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister_pass(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def graph_pass(name: str, *, summary: str, stage: str, **fields: Any) -> Callable:
+    """Declare the decorated function a pass: ``@graph_pass("fuse-attention", summary=..., stage="joint")``."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable:
+        fn.graph_pass = register_pass(GraphPass(name=name, summary=summary, stage=stage, run=fn, **fields))
+        return fn
+
+    return wrap
+
+
+def registered_passes() -> dict[str, GraphPass]:
+    """Every registered pass by name (the built-in ones register when ``kpt_compiler`` is imported)."""
+    return dict(_REGISTRY)
+
+
+def register_group(group: PassGroup) -> PassGroup:
+    if group.name in _REGISTRY:
+        raise ValueError(f"{group.name!r} is the name of a pass")
+    if group.name in _GROUPS and _GROUPS[group.name] != group:
+        raise ValueError(f"a pass group named {group.name!r} is already registered")
+    _GROUPS[group.name] = group
+    return group
+
+
+def registered_groups() -> dict[str, PassGroup]:
+    """Every registered group by name; a group's members need not all be registered (a test may drop one)."""
+    return dict(_GROUPS)
