@@ -68,12 +68,13 @@ Import this module as ``kpt_compiler.kernels.rms_norm`` only (the ops register o
 """
 
 import collections
-import functools
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ._launch import sm_count
 
 try:
     import triton
@@ -123,18 +124,6 @@ def backward_grid(M: int, BLOCK_M: int, num_warps: int, device: torch.device,
     target = sm_count(device) * per_sm if device.type == "cuda" else 2
     tiles = triton.next_power_of_2(triton.cdiv(triton.cdiv(M, BLOCK_M), target))
     return triton.cdiv(M, tiles * BLOCK_M), tiles
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors on a CUDA device; 1 elsewhere (the interpreter: tests see several rows per tile)."""
-    if device.type != "cuda":
-        return 1
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ---------------------------------------------------------------------------------------------------------
