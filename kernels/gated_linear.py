@@ -23,10 +23,10 @@ dot, and the accumulator's halves are g and u. No weight is copied; 99-100% of c
 Registered as the custom op ``torch.ops.kpt.gated_linear`` (``torch.library.custom_op`` with a fake and
 autograd; the backward recomputes g and u with plain torch matmuls), with the same two forms without
 autograd as ``linear_epilogue``: ``gated_linear_inference`` and the triton_op ``gated_linear_triton``, which
-Inductor launches as its own kernel (why both, and where each is used: linear_epilogue's docstring).
-Dispatch inside the op is that of ``linear_epilogue`` (``_launch.kernel_runs``): CUDA tensors run the
-Triton kernel, CPU tensors run it in Triton's interpreter when ``TRITON_INTERPRET=1``, everything else (no
-triton, float64, other devices) runs the eager ``reference``.
+Inductor launches as its own kernel (why both, and where each is used: linear_epilogue's docstring; all three
+registered by ``_op_forms.register_op_forms``). Dispatch inside the op is that of ``linear_epilogue``
+(``_launch.kernel_runs``): CUDA tensors run the Triton kernel, CPU tensors run it in Triton's interpreter when
+``TRITON_INTERPRET=1``, everything else (no triton, float64, other devices) runs the eager ``reference``.
 ``launches`` counts kernel launches (a launch of the TMA kernel counts here and in ``_tma_gemm.launches``).
 Import this module as ``kpt_compiler.kernels.gated_linear`` only (the op registers once).
 """
@@ -39,8 +39,9 @@ import torch.nn.functional as F
 
 from ._gemm_common import (ACTIVATIONS, GEMM_DTYPES, INTERPRETER_META, activation_backward, apply_activation,
                            check_activation, grouped_tile, prune_configs)
-from ._launch import (HAVE_TRITON, input_precision, kernel_runs, launch_grid, launch_tuned, tl, triton,
-                      wrapped_launch)
+from ._launch import HAVE_TRITON  # noqa: F401  (tests read gated_linear.HAVE_TRITON)
+from ._launch import input_precision, kernel_runs, launch_grid, launch_tuned, tl, triton, wrapped_launch
+from ._op_forms import register_op_forms
 from ._tma_gemm import gated_tma_ok, launch_tma_gated, tma_ok, use_tma
 
 __all__ = ["gated_linear", "reference", "launches"]
@@ -182,7 +183,8 @@ def reference(x, w_gate, w_up, activation: str = "silu") -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Custom op: torch.ops.kpt.gated_linear, its fake implementation and autograd
+# Ops: torch.ops.kpt.gated_linear (custom op, fake, autograd), gated_linear_inference (no autograd) and
+# gated_linear_triton (triton_op); see ``_op_forms``
 # ---------------------------------------------------------------------------------------------------------
 def _forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     _check(x, w_gate, w_up, activation)
@@ -195,10 +197,6 @@ def _forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activati
 def _fake(x, w_gate, w_up, activation="silu"):
     _check(x, w_gate, w_up, activation)
     return x.new_empty(*x.shape[:-1], w_gate.shape[0])
-
-
-_gated_linear_op = torch.library.custom_op("kpt::gated_linear", mutates_args=())(_forward)
-_gated_linear_op.register_fake(_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -222,16 +220,6 @@ def _backward(ctx, grad):
     return grad_x, grad_wg, grad_wu, None
 
 
-_gated_linear_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# The same without autograd, for calls no gradient flows through (see linear_epilogue_inference for why).
-_lib = torch.library.Library("kpt", "FRAGMENT")
-_lib.define("gated_linear_inference(Tensor x, Tensor w_gate, Tensor w_up, str activation='silu') -> Tensor")
-_lib.impl("gated_linear_inference", _forward, "CompositeExplicitAutograd")
-torch.library.register_fake("kpt::gated_linear_inference", _fake, lib=_lib)
-
-
 # Inductor's form: torch.ops.kpt.gated_linear_triton, the pointer kernel as a torch.library.triton_op that
 # Inductor traces and launches itself (why, and where the fusion pass emits it: linear_epilogue's
 # linear_epilogue_triton). GEMMs large enough for the TMA kernel call the inference op from inside it.
@@ -248,8 +236,7 @@ def _triton_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     return out.view(*x.shape[:-1], N)
 
 
-if HAVE_TRITON:
-    torch.library.triton_op("kpt::gated_linear_triton", mutates_args=())(_triton_forward)
+register_op_forms("gated_linear", _forward, _fake, _setup_context, _backward, _triton_forward)
 
 
 def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

@@ -31,10 +31,10 @@ on the H100 machine, against 53-58 us for the inference op: ``benchmarks/bench_d
 pass emits the triton_op where Inductor compiles for CUDA. It cannot be the only form: its body is traced
 with fake tensors, and on the CPU a triton_op launching the interpreted kernel fails under
 torch.compile(backend="eager" and "aot_eager") ("Cannot access data pointer of Tensor", checked with torch
-2.13 and triton 3.9). Dispatch inside the op (``_launch.kernel_runs``): CUDA tensors in
-float16/bfloat16/float32 run the Triton kernel; CPU tensors run it in Triton's interpreter when
-``TRITON_INTERPRET=1`` (set before this module was imported), else the eager ``reference``; every other case
-(no triton installed, float64, other devices) runs ``reference``.
+2.13 and triton 3.9). The three forms are registered by ``_op_forms.register_op_forms``. Dispatch inside
+the op (``_launch.kernel_runs``): CUDA tensors in float16/bfloat16/float32 run the Triton kernel; CPU tensors
+run it in Triton's interpreter when ``TRITON_INTERPRET=1`` (set before this module was imported), else the
+eager ``reference``; every other case (no triton installed, float64, other devices) runs ``reference``.
 ``launches`` counts kernel launches (tests assert on it; the TMA kernel's: ``_tma_gemm.launches``). Import
 this module as ``kpt_compiler.kernels.linear_epilogue`` only (the op registers once, when it is imported).
 """
@@ -47,8 +47,9 @@ import torch.nn.functional as F
 
 from ._gemm_common import (ACTIVATIONS, GEMM_DTYPES, INTERPRETER_META, activation_backward, apply_activation,
                            check_activation, grouped_tile, prune_configs)
-from ._launch import (HAVE_TRITON, input_precision, kernel_runs, launch_grid, launch_tuned, tl, triton,
-                      wrapped_launch)
+from ._launch import HAVE_TRITON  # noqa: F401  (passes/fusion.py imports it from here)
+from ._launch import input_precision, kernel_runs, launch_grid, launch_tuned, tl, triton, wrapped_launch
+from ._op_forms import register_op_forms
 from ._tma_gemm import launch_tma, tma_ok, use_tma
 
 __all__ = ["linear_epilogue", "reference", "ACTIVATIONS", "launches"]
@@ -201,7 +202,8 @@ def reference(x, weight, bias=None, residual=None, activation: str = "none") -> 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Custom op: torch.ops.kpt.linear_epilogue, its fake implementation and autograd
+# Ops: torch.ops.kpt.linear_epilogue (custom op, fake, autograd), linear_epilogue_inference (no autograd) and
+# linear_epilogue_triton (triton_op); see ``_op_forms``
 # ---------------------------------------------------------------------------------------------------------
 def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
              residual: Optional[torch.Tensor] = None, activation: str = "none") -> torch.Tensor:
@@ -216,10 +218,6 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
 def _fake(x, weight, bias=None, residual=None, activation="none"):
     _check(x, weight, bias, residual, activation)
     return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-_linear_epilogue_op = torch.library.custom_op("kpt::linear_epilogue", mutates_args=())(_forward)
-_linear_epilogue_op.register_fake(_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -243,34 +241,14 @@ def _backward(ctx, grad):
     return grad_x, grad_w, grad_b, grad_r, None
 
 
-_linear_epilogue_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Inference op: torch.ops.kpt.linear_epilogue_inference, the same computation without autograd
-# ---------------------------------------------------------------------------------------------------------
-# A custom_op runs a Python autograd layer in front of the kernel even under torch.no_grad(): at decode
-# sizes that is about half of the op's host time on the H100 machine (benchmarks/bench_dispatch.py, "op"
-# against "launch"), and a model compiled without CUDA graphs is bound by host time there. Where no gradient
-# flows through the call, the fusion pass emits this op instead: defined with torch.library.Library and no
-# autograd kernel, so PyTorch's C++ autograd fallback stands in front (it warns if a gradient is asked for).
-_lib = torch.library.Library("kpt", "FRAGMENT")
-_lib.define("linear_epilogue_inference(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, "
-            "str activation='none') -> Tensor")
-_lib.impl("linear_epilogue_inference", _forward, "CompositeExplicitAutograd")
-torch.library.register_fake("kpt::linear_epilogue_inference", _fake, lib=_lib)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Inductor's form: torch.ops.kpt.linear_epilogue_triton, the pointer kernel as a torch.library.triton_op
-# ---------------------------------------------------------------------------------------------------------
-# Inside an Inductor graph a custom op is an extern call: the dispatcher, our checks and Triton's Python
-# launcher on every call (50-100 us per call on the H100 machine's host, benchmarks/bench_dispatch.py). A
-# triton_op is traced into the graph instead (AOTAutograd decomposes it), and Inductor compiles and launches
-# the kernel as one of its own. The fusion pass emits this form only where Inductor generates the code for
-# CUDA and no gradient flows: it has no autograd, and the CPU's interpreter cannot run a traced kernel under
-# torch.compile (the module docstring). GEMMs large enough for the TMA kernel call the inference op from
-# inside it (their launch is hidden behind their run time); so do CPU tensors, outside the interpreter.
+# Inductor's form, the pointer kernel as a torch.library.triton_op: inside an Inductor graph a custom op is an
+# extern call: the dispatcher, our checks and Triton's Python launcher on every call (50-100 us per call on the
+# H100 machine's host, benchmarks/bench_dispatch.py). A triton_op is traced into the graph instead (AOTAutograd
+# decomposes it), and Inductor compiles and launches the kernel as one of its own. The fusion pass emits this
+# form only where Inductor generates the code for CUDA and no gradient flows: it has no autograd, and the CPU's
+# interpreter cannot run a traced kernel under torch.compile (the module docstring). GEMMs large enough for the
+# TMA kernel call the inference op from inside it (their launch is hidden behind their run time); so do CPU
+# tensors, outside the interpreter.
 def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                     residual: Optional[torch.Tensor] = None, activation: str = "none") -> torch.Tensor:
     _check(x, weight, bias, residual, activation)
@@ -286,8 +264,7 @@ def _triton_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return out.view(*x.shape[:-1], N)
 
 
-if HAVE_TRITON:
-    torch.library.triton_op("kpt::linear_epilogue_triton", mutates_args=())(_triton_forward)
+register_op_forms("linear_epilogue", _forward, _fake, _setup_context, _backward, _triton_forward)
 
 
 def linear_epilogue(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
