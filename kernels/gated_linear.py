@@ -46,6 +46,8 @@ from ._tma_gemm import gated_tma_ok, launch_tma_gated, tma_ok, use_tma
 
 __all__ = ["gated_linear", "reference", "launches"]
 
+# the kernel modules whose source decides this op's speed (the cost model keys its calibration on them)
+SOURCE_MODULES = ("gated_linear", "_gemm_common", "_tma_gemm", "_launch", "_op_forms")
 launches = collections.Counter()  # "gated_linear" -> number of Triton launches: tests assert the kernel ran
 
 # ---------------------------------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ from ._norm_common import backward_grid, check_inputs, launch_config, launches, 
 
 __all__ = ["add_layer_norm", "reference", "launches"]
 
+# the kernel modules whose source decides this op's speed (the cost model keys its calibration on them)
+SOURCE_MODULES = ("layer_norm", "_norm_common", "_launch")
+
 # Launch configuration: ``_norm_common.launch_config`` (whole row per program, rows per program for narrow rows).
 
 

@@ -54,6 +54,8 @@ from ._tma_gemm import launch_tma, tma_ok, use_tma
 
 __all__ = ["linear_epilogue", "reference", "ACTIVATIONS", "launches"]
 
+# the kernel modules whose source decides this op's speed (the cost model keys its calibration on them)
+SOURCE_MODULES = ("linear_epilogue", "_gemm_common", "_tma_gemm", "_launch", "_op_forms")
 launches = collections.Counter()  # "linear_epilogue" -> number of Triton launches: tests assert the kernel ran
 
 # ---------------------------------------------------------------------------------------------------------

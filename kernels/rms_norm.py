@@ -79,6 +79,9 @@ from ._norm_common import backward_grid, check_inputs, launch_config, launches, 
 
 __all__ = ["add_rms_norm", "reference", "launches"]
 
+# the kernel modules whose source decides this op's speed (the cost model keys its calibration on them)
+SOURCE_MODULES = ("rms_norm", "_norm_common", "_launch")
+
 # Launch configuration: ``_norm_common.launch_config`` (no autotuning: the whole row per program, several rows
 # per program for narrow rows, and the warps, by a heuristic).
 
