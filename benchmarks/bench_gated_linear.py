@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from benchmarks.bench_linear_epilogue import (SHAPES, best_config, compiled, markdown, randn, require_cuda,
                                               run_meta, time_all, write)
 from kpt_compiler.bench import relative_error
+from kpt_compiler.kernels import _tma_gemm as tg
 from kpt_compiler.kernels import gated_linear as gl
-from kpt_compiler.kernels import linear_epilogue as le
 
 
 def main(argv=None) -> int:
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
             "eager": lambda: unfused(x, w_gate, w_up),
             "inductor": lambda: inductor(x, w_gate, w_up),
         })
-        config = best_config(le._gemm_tma_autotuned if le.use_tma(M, 2 * N, K) else gl._gated_linear_autotuned)
+        config = best_config(tg._gemm_tma_autotuned if tg.use_tma(M, 2 * N, K) else gl._gated_linear_autotuned)
         ref = unfused(x.float(), w_gate.float(), w_up.float())
         flop = 2 * 2 * M * N * K
         row = {"shape": [M, K, N], "ms": times, "tflops": {n: flop / t / 1e9 for n, t in times.items()},

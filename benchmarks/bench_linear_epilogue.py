@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kpt_compiler.bench import median_ms, relative_error
+from kpt_compiler.kernels import _tma_gemm as tg
 from kpt_compiler.kernels import linear_epilogue as le
 
 SHAPES = [  # (M, K, N)
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
             "inductor": lambda: inductor(x, w, b, r),
             "ours": lambda: le.linear_epilogue(x, w, b, r, act),  # last: its config is the autotuner's last choice
         })
-        config = best_config(le._gemm_tma_autotuned if le.use_tma(M, N, K) else le._linear_epilogue_autotuned)
+        config = best_config(tg._gemm_tma_autotuned if tg.use_tma(M, N, K) else le._linear_epilogue_autotuned)
         ref = unfused(x.float(), w.float(), b.float(), r.float())
         flop = 2 * M * N * K
         row = {"shape": [M, K, N], "ms": times, "tflops": {n: flop / t / 1e9 for n, t in times.items()},

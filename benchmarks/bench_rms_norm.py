@@ -58,7 +58,7 @@ def _ours(variant):
 def _bytes(rows: int, N: int, elem: int, n_params: int, n_stats: int, per_sm=None) -> tuple[int, int]:
     """(forward, backward) bytes needed for rows x N with ``n_params`` [N] parameters and fp32 row statistics
     (``per_sm``: the backward's programs per SM, as the kernel's launcher passes it to backward_grid)."""
-    from kpt_compiler.kernels.rms_norm import backward_grid, launch_config
+    from kpt_compiler.kernels._norm_common import backward_grid, launch_config
 
     act = rows * N * elem
     forward = 2 * act + n_params * N * elem + 2 * act  # read x, residual, parameters; write h, y

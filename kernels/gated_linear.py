@@ -13,20 +13,21 @@ Each program loads a tile of x once per K step and multiplies it with the matchi
 into two float32 accumulators, so x is read once for the two projections and g and u never reach memory.
 The unfused sequence rounds g, u, act(g) and the product to x.dtype; this rounds once, so it is at least as
 accurate. float32 inputs follow torch's matmul precision, as in ``linear_epilogue``. Tiles, grouped program
-order and masks are those of ``linear_epilogue``; the tiles are smaller (two accumulators share the
-registers of one). On Hopper, from 1024 rows, the op takes ``linear_epilogue``'s persistent TMA kernel in its
-gated form instead: one 3-D descriptor spans both weights (the distance between them is its first stride), so
-each K step multiplies a [BLOCK_N, BLOCK_K] tile holding BLOCK_N / 2 rows of each weight with one dot, and the
-accumulator's halves are g and u. No weight is copied; 99-100% of cuBLAS at 4096 and up on the H100
+order (``_gemm_common``) and masks are those of ``linear_epilogue``; the tiles are smaller (two accumulators
+share the registers of one). On Hopper, from 1024 rows, the op takes the persistent TMA kernel (``_tma_gemm``)
+in its gated form instead: one 3-D descriptor spans both weights (the distance between them is its first
+stride), so each K step multiplies a [BLOCK_N, BLOCK_K] tile holding BLOCK_N / 2 rows of each weight with one
+dot, and the accumulator's halves are g and u. No weight is copied; 99-100% of cuBLAS at 4096 and up on the H100
 (``benchmarks/bench_gated_linear.py``), where the pointer kernel reaches 81-83%.
 
 Registered as the custom op ``torch.ops.kpt.gated_linear`` (``torch.library.custom_op`` with a fake and
 autograd; the backward recomputes g and u with plain torch matmuls), with the same two forms without
 autograd as ``linear_epilogue``: ``gated_linear_inference`` and the triton_op ``gated_linear_triton``, which
-Inductor launches as its own kernel (why both, and where each is used: linear_epilogue's docstring).
-Dispatch inside the op is that of ``linear_epilogue``: CUDA tensors run
-the Triton kernel, CPU tensors run it in Triton's interpreter when ``TRITON_INTERPRET=1``, everything else
-(no triton, float64, other devices) runs the eager ``reference``. ``launches`` counts kernel launches.
+Inductor launches as its own kernel (why both, and where each is used: linear_epilogue's docstring; all three
+registered by ``_op_forms.register_op_forms``). Dispatch inside the op is that of ``linear_epilogue``
+(``_launch.kernel_runs``): CUDA tensors run the Triton kernel, CPU tensors run it in Triton's interpreter when
+``TRITON_INTERPRET=1``, everything else (no triton, float64, other devices) runs the eager ``reference``.
+``launches`` counts kernel launches (a launch of the TMA kernel counts here and in ``_tma_gemm.launches``).
 Import this module as ``kpt_compiler.kernels.gated_linear`` only (the op registers once).
 """
 
@@ -36,24 +37,22 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .linear_epilogue import (ACTIVATIONS, HAVE_TRITON, INTERPRETER_META, activation_backward,
-                              apply_activation, check_activation, gated_tma_ok, grouped_tile,
-                              input_precision, launch_grid, launch_tma_gated, launch_tuned, prune_configs,
-                              tma_ok, use_kernel, use_tma, wrapped_launch)
-
-if HAVE_TRITON:
-    import triton
-    import triton.language as tl
-else:  # the same stand-in as linear_epilogue's: the kernel below still defines, and never runs
-    from .linear_epilogue import triton, tl
+from ._gemm_common import (ACTIVATIONS, GEMM_DTYPES, INTERPRETER_META, activation_backward, apply_activation,
+                           check_activation, grouped_tile, prune_configs)
+from ._launch import HAVE_TRITON  # noqa: F401  (tests read gated_linear.HAVE_TRITON)
+from ._launch import input_precision, kernel_runs, launch_grid, launch_tuned, tl, triton, wrapped_launch
+from ._op_forms import register_op_forms
+from ._tma_gemm import gated_tma_ok, launch_tma_gated, tma_ok, use_tma
 
 __all__ = ["gated_linear", "reference", "launches"]
 
+# the kernel modules whose source decides this op's speed (the cost model keys its calibration on them)
+SOURCE_MODULES = ("gated_linear", "_gemm_common", "_tma_gemm", "_launch", "_op_forms")
 launches = collections.Counter()  # "gated_linear" -> number of Triton launches: tests assert the kernel ran
 
 # ---------------------------------------------------------------------------------------------------------
 # Autotune configs: two float32 accumulators per program, so at most 128 x 128 x 2 of them (8 warps);
-# pruned by M as in linear_epilogue.
+# pruned by M as in linear_epilogue (``_gemm_common.prune_configs``).
 # ---------------------------------------------------------------------------------------------------------
 CONFIGS = [
     # large M (Hopper): x tile reused for both weights, like one 128 x 256 tile
@@ -153,11 +152,8 @@ def _launch(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activati
         return out
     args, meta = _pointer_args(x2, w_gate, w_up, out, activation)
     config = config or (None if x2.is_cuda else INTERPRETER_META)
-    if config is None:
-        launch_tuned(_gated_linear_autotuned, _gated_linear_kernel, (M, N, K, x2.dtype), launch_grid(M, N), args,
-                     meta)
-    else:
-        _gated_linear_kernel[launch_grid(M, N)(config)](*args, **meta, **config)
+    launch_tuned(_gated_linear_autotuned, _gated_linear_kernel, (M, N, K, x2.dtype), launch_grid(M, N), args, meta,
+                 config=config)
     launches["gated_linear"] += 1
     return out
 
@@ -189,11 +185,12 @@ def reference(x, w_gate, w_up, activation: str = "silu") -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Custom op: torch.ops.kpt.gated_linear, its fake implementation and autograd
+# Ops: torch.ops.kpt.gated_linear (custom op, fake, autograd), gated_linear_inference (no autograd) and
+# gated_linear_triton (triton_op); see ``_op_forms``
 # ---------------------------------------------------------------------------------------------------------
 def _forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     _check(x, w_gate, w_up, activation)
-    if not use_kernel(x):
+    if not kernel_runs(x, GEMM_DTYPES, needs_3_6_interpreter=True):
         return reference(x, w_gate, w_up, activation)
     K, N = x.shape[-1], w_gate.shape[0]
     return _launch(x.reshape(-1, K), w_gate, w_up, activation).view(*x.shape[:-1], N)
@@ -202,10 +199,6 @@ def _forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activati
 def _fake(x, w_gate, w_up, activation="silu"):
     _check(x, w_gate, w_up, activation)
     return x.new_empty(*x.shape[:-1], w_gate.shape[0])
-
-
-_gated_linear_op = torch.library.custom_op("kpt::gated_linear", mutates_args=())(_forward)
-_gated_linear_op.register_fake(_fake)
 
 
 def _setup_context(ctx, inputs, output):
@@ -229,16 +222,6 @@ def _backward(ctx, grad):
     return grad_x, grad_wg, grad_wu, None
 
 
-_gated_linear_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# The same without autograd, for calls no gradient flows through (see linear_epilogue_inference for why).
-_lib = torch.library.Library("kpt", "FRAGMENT")
-_lib.define("gated_linear_inference(Tensor x, Tensor w_gate, Tensor w_up, str activation='silu') -> Tensor")
-_lib.impl("gated_linear_inference", _forward, "CompositeExplicitAutograd")
-torch.library.register_fake("kpt::gated_linear_inference", _fake, lib=_lib)
-
-
 # Inductor's form: torch.ops.kpt.gated_linear_triton, the pointer kernel as a torch.library.triton_op that
 # Inductor traces and launches itself (why, and where the fusion pass emits it: linear_epilogue's
 # linear_epilogue_triton). GEMMs large enough for the TMA kernel call the inference op from inside it.
@@ -247,7 +230,7 @@ def _triton_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     _check(x, w_gate, w_up, activation)
     K, N = x.shape[-1], w_gate.shape[0]
     M = x.numel() // K if K else 0
-    if not use_kernel(x) or use_tma(M, 2 * N, K) or M == 0 or N == 0:
+    if not kernel_runs(x, GEMM_DTYPES, needs_3_6_interpreter=True) or use_tma(M, 2 * N, K) or M == 0 or N == 0:
         return torch.ops.kpt.gated_linear_inference(x, w_gate, w_up, activation)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     args, meta = _pointer_args(x.reshape(M, K), w_gate, w_up, out, activation)
@@ -255,8 +238,7 @@ def _triton_forward(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     return out.view(*x.shape[:-1], N)
 
 
-if HAVE_TRITON:
-    torch.library.triton_op("kpt::gated_linear_triton", mutates_args=())(_triton_forward)
+register_op_forms("gated_linear", _forward, _fake, _setup_context, _backward, _triton_forward)
 
 
 def gated_linear(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:

@@ -12,7 +12,7 @@ Math (per row of N elements; statistics in fp32)::
 y is ``F.layer_norm(h, (N,), weight, bias, eps)`` up to the order of the fp32 sums and one rounding of y
 (torch's kernels may fold the row statistics into a per-row scale and shift first; in the fp16 tests over 98%
 of y is bit-identical). h is bit-identical to torch's ``x + residual``. x and residual must have the same
-shape and dtype (fp16, bf16 or fp32); N is at most ``rms_norm.MAX_N`` (65536).
+shape and dtype (fp16, bf16 or fp32); N is at most ``_norm_common.MAX_N`` (65536).
 
 Backward (dy for y, dh for h, which is an output the model uses elsewhere, e.g. the next residual)::
 
@@ -36,9 +36,10 @@ an alias of its input, and a copy of x would cost a write): the caller uses x it
 are fp32 of shape ``x.shape[:-1]``. ``dweight`` and ``dbias`` are fp32 of shape [N] (empty when not asked
 for); the autograd formula casts them to the parameters' dtypes. Double backward is not supported.
 
-custom_op rather than triton_op, dispatch (CUDA: Triton; CPU: Triton under the interpreter, else the eager
-reference; no triton: the reference), checks, launch heuristic and ``launches`` are shared with
-rms_norm.py; its docstring says why. Import as ``kpt_compiler.kernels.layer_norm`` only.
+custom_op rather than triton_op, and dispatch (CUDA: Triton; CPU: Triton under the interpreter, else the
+eager reference; no triton: the reference; ``_launch.kernel_runs``), as in rms_norm.py, whose docstring says
+why; checks, launch heuristic and ``launches`` are shared with it (``_norm_common``). Import as
+``kpt_compiler.kernels.layer_norm`` only.
 """
 
 from typing import Optional
@@ -47,20 +48,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .rms_norm import (_jit, backward_grid, check_inputs, launch_config, launches, rows_of, tl, triton,
-                       use_triton)
+from ._launch import kernel_runs, tl, triton
+from ._norm_common import backward_grid, check_inputs, launch_config, launches, rows_of
 
 __all__ = ["add_layer_norm", "reference", "launches"]
 
+# the kernel modules whose source decides this op's speed (the cost model keys its calibration on them)
+SOURCE_MODULES = ("layer_norm", "_norm_common", "_launch")
 
-# Launch configuration: rms_norm.launch_config (whole row per program, rows per program for narrow rows).
+# Launch configuration: ``_norm_common.launch_config`` (whole row per program, rows per program for narrow rows).
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
 
-@_jit
+@triton.jit
 def _add_layer_norm_fwd_kernel(
     # pointers
     X, R, W, B, H, Y, MEAN, RSTD,    # x, residual, weight [N], bias [N], h (out), y (out), mean, rstd (out, fp32)
@@ -101,7 +104,7 @@ def _add_layer_norm_fwd_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@_jit
+@triton.jit
 def _add_layer_norm_bwd_kernel(
     # pointers
     DY, DH, H, W, MEAN, RSTD,        # dy, dh (gradient of the output h), h, weight [N], mean, rstd (fp32 [M])
@@ -152,7 +155,7 @@ def _add_layer_norm_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Launchers: check (rms_norm.check_inputs), flatten leading dims, allocate, launch
+# Launchers: check (``_norm_common.check_inputs``), flatten leading dims, allocate, launch
 # ---------------------------------------------------------------------------------------------------------
 
 def _forward(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
@@ -260,7 +263,7 @@ def _reference_backward(dy, dh, h, weight, mean, rstd, weight_grad, bias_grad):
 def _add_layer_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
                        eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_inputs("kpt::add_layer_norm", x, residual, {"weight": weight, "bias": bias})
-    if use_triton(x, _add_layer_norm_fwd_kernel):
+    if kernel_runs(x):
         return _forward(x, residual, weight, bias, eps)
     h = (x + residual).contiguous() if residual is not None else x  # contiguous, as the fake says
     y, mean, rstd = _reference_forward(h, weight, bias, eps)
@@ -278,7 +281,7 @@ def _(x, residual, weight, bias, eps):
 @torch.library.custom_op("kpt::add_layer_norm_backward", mutates_args=())
 def _add_layer_norm_backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor], mean: Tensor,
                                 rstd: Tensor, weight_grad: bool, bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-    if use_triton(h, _add_layer_norm_bwd_kernel):
+    if kernel_runs(h):
         return _backward(dy, dh, h, weight, mean, rstd, weight_grad, bias_grad)
     return _reference_backward(dy, dh, h, weight, mean, rstd, weight_grad, bias_grad)
 

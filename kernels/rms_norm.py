@@ -58,90 +58,39 @@ devices, the reference), which an opaque custom op allows on every torch we supp
 Inductor calls it as an extern kernel; it is already one fused memory-bound kernel that Inductor could not
 fuse further, so tracing into the kernel (what triton_op adds) would save only the launch overhead.
 
-Dispatch: CUDA tensors run the Triton kernels; CPU tensors run them when the kernels were decorated under
-``TRITON_INTERPRET=1`` (set before this module is imported, as tests/conftest.py does), else the eager
-reference (forward and backward), so the ops work everywhere; without triton (a CPU-only torch install) the
-ops run the reference. The kernels also run in Triton 3.5's interpreter (torch 2.9), which cannot loop to a
-run-time bound: the backward's trip count is a constexpr. ``launches`` counts kernel launches (tests
-assert on it).
+Dispatch (``_launch.kernel_runs``): CUDA tensors run the Triton kernels; CPU tensors run them when the
+kernels were decorated under ``TRITON_INTERPRET=1`` (set before this module is imported, as tests/conftest.py
+does), else the eager reference (forward and backward), so the ops work everywhere; without triton (a
+CPU-only torch install) the ops run the reference. The kernels also run in Triton 3.5's interpreter (torch
+2.9), which cannot loop to a run-time bound: the backward's trip count is a constexpr. ``launches`` counts
+kernel launches (tests assert on it; one counter with layer_norm's). Checks, launch heuristic, backward grid
+and the counter: ``_norm_common``.
 Import this module as ``kpt_compiler.kernels.rms_norm`` only (the ops register once, when it is imported).
 """
 
-import collections
-import functools
-from types import SimpleNamespace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # no triton (a CPU-only torch install): the ops run the eager reference
-    triton = None
-    tl = SimpleNamespace(constexpr=None)  # only for the kernels' annotations; they are never launched
+from ._launch import kernel_runs, tl, triton
+from ._norm_common import MAX_N  # noqa: F401  (this module's documented limit; tests read it here)
+from ._norm_common import backward_grid, check_inputs, launch_config, launches, rows_of
 
 __all__ = ["add_rms_norm", "reference", "launches"]
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_N = 65536  # one row lives in registers: wider rows would spill (Liger-Kernel's limit too)
-launches = collections.Counter()  # "<kernel>" -> number of Triton launches, for tests
+# the kernel modules whose source decides this op's speed (the cost model keys its calibration on them)
+SOURCE_MODULES = ("rms_norm", "_norm_common", "_launch")
 
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Launch configuration (shared with layer_norm.py). No autotuning: the best block is the whole row, so only
-# the rows and warps per program are left, and a heuristic picks them without timing runs.
-# ---------------------------------------------------------------------------------------------------------
-
-def launch_config(M: int, N: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M rows per program, BLOCK_N = next power of two >= N, num_warps) for an M x N problem."""
-    BLOCK_N = triton.next_power_of_2(N)
-    # narrow rows: several rows per program, about 4K elements per tile, while there are enough programs
-    BLOCK_M = max(1, min(16, 4096 // BLOCK_N))
-    while BLOCK_M > 1 and triton.cdiv(M, BLOCK_M) < 2 * sm_count(device):
-        BLOCK_M //= 2
-    tile = BLOCK_M * BLOCK_N
-    num_warps = 32 if tile >= 32768 else 16 if tile >= 8192 else 8 if tile >= 2048 else 4
-    return BLOCK_M, BLOCK_N, num_warps
-
-
-def backward_grid(M: int, BLOCK_M: int, num_warps: int, device: torch.device,
-                  per_sm: Optional[int] = None) -> tuple[int, int]:
-    """(programs, TILES tiles of BLOCK_M rows per program) for a backward kernel.
-
-    Each program loops over its tiles and writes one row of weight-gradient partials, so a few programs per
-    SM keep memory busy and the partials stay small. TILES is a power of two: it is a compile-time constant
-    (Triton 3.5's interpreter cannot loop to a run-time bound), and powers of two keep the variants few.
-    On the CPU (the interpreter) two programs, so that tests cover the loop and the partial sums.
-    """
-    per_sm = per_sm or max(1, 32 // num_warps)  # programs per SM
-    target = sm_count(device) * per_sm if device.type == "cuda" else 2
-    tiles = triton.next_power_of_2(triton.cdiv(triton.cdiv(M, BLOCK_M), target))
-    return triton.cdiv(M, tiles * BLOCK_M), tiles
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors on a CUDA device; 1 elsewhere (the interpreter: tests see several rows per tile)."""
-    if device.type != "cuda":
-        return 1
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+# Launch configuration: ``_norm_common.launch_config`` (no autotuning: the whole row per program, several rows
+# per program for narrow rows, and the warps, by a heuristic).
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Kernels
 # ---------------------------------------------------------------------------------------------------------
 
-@_jit
+@triton.jit
 def _add_rms_norm_fwd_kernel(
     # pointers
     X, R, W, H, Y, RSTD,             # x, residual, weight [N], h (out), y (out), rstd (out, fp32 [M])
@@ -183,7 +132,7 @@ def _add_rms_norm_fwd_kernel(
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@_jit
+@triton.jit
 def _add_rms_norm_bwd_kernel(
     # pointers
     DY, DH, H, W, RSTD,              # dy, dh (gradient of the output h), h, weight [N], rstd (fp32 [M])
@@ -229,58 +178,8 @@ def _add_rms_norm_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Launchers: check, flatten leading dims, allocate, launch
+# Launchers: check (``_norm_common.check_inputs``), flatten leading dims, allocate, launch
 # ---------------------------------------------------------------------------------------------------------
-
-def check_inputs(op: str, x, residual, params: dict) -> None:
-    """ValueError naming what is wrong, for x [..., N], residual like x, and 1-D [N] parameters (shared)."""
-    if not isinstance(x, Tensor):
-        raise ValueError(f"{op}: x must be a tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{op}: x has dtype {x.dtype}; supported: float16, bfloat16, float32")
-    if x.dim() == 0:
-        raise ValueError(f"{op}: x is a scalar; it needs a last dimension to normalize over")
-    N = x.shape[-1]
-    if N == 0 or N > MAX_N:
-        raise ValueError(f"{op}: x's last dimension is {N}; supported: 1 to {MAX_N}")
-    if residual is not None:
-        if not isinstance(residual, Tensor):
-            raise ValueError(f"{op}: residual must be a tensor or None, got {type(residual).__name__}")
-        if residual.shape != x.shape:
-            raise ValueError(f"{op}: residual has shape {tuple(residual.shape)} but x has {tuple(x.shape)}; "
-                             "they must be equal (no broadcasting)")
-        if residual.dtype != x.dtype:
-            raise ValueError(f"{op}: residual has dtype {residual.dtype} but x has {x.dtype}; they must be equal")
-        if residual.device != x.device:
-            raise ValueError(f"{op}: residual is on {residual.device} but x is on {x.device}")
-    for name, p in params.items():
-        if p is None:
-            continue
-        if not isinstance(p, Tensor):
-            raise ValueError(f"{op}: {name} must be a tensor or None, got {type(p).__name__}")
-        if p.dim() != 1 or p.shape[0] != N:
-            raise ValueError(f"{op}: {name} has shape {tuple(p.shape)}; expected ({N},), x's last dimension")
-        if p.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{op}: {name} has dtype {p.dtype}; supported: float16, bfloat16, float32")
-        if p.device != x.device:
-            raise ValueError(f"{op}: {name} is on {p.device} but x is on {x.device}")
-
-
-def rows_of(t: Tensor, N: int) -> Tensor:
-    """t as a 2-D [rows, N] tensor whose rows are contiguous (a view where possible)."""
-    t = t.reshape(-1, N)
-    return t if t.stride(1) == 1 else t.contiguous()
-
-
-def use_triton(t: Tensor, kernel) -> bool:
-    """Whether ``kernel`` runs for tensors on t's device: CUDA, or CPU when the kernel was decorated under
-    TRITON_INTERPRET=1 (an interpreted function: the flag is read when the kernel is decorated)."""
-    if triton is None:
-        return False
-    if t.device.type == "cuda":
-        return True
-    return t.device.type == "cpu" and type(kernel).__name__ == "InterpretedFunction"
-
 
 def _y_dtype(h_dtype: torch.dtype, weight: Optional[Tensor], cast_before_weight: bool) -> torch.dtype:
     if weight is not None and cast_before_weight:
@@ -388,7 +287,7 @@ def _reference_backward(dy, dh, h, weight, rstd, cast_before_weight, weight_grad
 def _add_rms_norm_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
                      cast_before_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
     check_inputs("kpt::add_rms_norm", x, residual, {"weight": weight})
-    if use_triton(x, _add_rms_norm_fwd_kernel):
+    if kernel_runs(x):
         return _forward(x, residual, weight, eps, cast_before_weight)
     h = (x + residual).contiguous() if residual is not None else x  # contiguous, as the fake says
     y, rstd = _reference_norm(h, weight, eps, cast_before_weight)
@@ -406,7 +305,7 @@ def _(x, residual, weight, eps, cast_before_weight):
 @torch.library.custom_op("kpt::add_rms_norm_backward", mutates_args=())
 def _add_rms_norm_backward_op(dy: Tensor, dh: Optional[Tensor], h: Tensor, weight: Optional[Tensor], rstd: Tensor,
                               cast_before_weight: bool, weight_grad: bool) -> tuple[Tensor, Tensor]:
-    if use_triton(h, _add_rms_norm_bwd_kernel):
+    if kernel_runs(h):
         return _backward(dy, dh, h, weight, rstd, cast_before_weight, weight_grad)
     return _reference_backward(dy, dh, h, weight, rstd, cast_before_weight, weight_grad)
 

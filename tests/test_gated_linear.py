@@ -8,16 +8,17 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-if not __import__("kpt_compiler.kernels.linear_epilogue", fromlist=["x"]).INTERPRETER_OK \
+if not __import__("kpt_compiler.kernels._launch", fromlist=["x"]).INTERPRETER_OK \
         and not __import__("torch").cuda.is_available():
     pytest.skip("triton 3.5's interpreter cannot run the GEMM kernels (3.6+ can)", allow_module_level=True)
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
+from kpt_compiler.kernels import _gemm_common, _launch, _tma_gemm  # noqa: E402
 from kpt_compiler.kernels import gated_linear as gl  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not gl.use_kernel(torch.empty(0)):
+if DEVICE == "cpu" and not _launch.kernel_runs(torch.empty(0), _gemm_common.GEMM_DTYPES, needs_3_6_interpreter=True):
     pytest.skip("the kernel runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1 before import)",
                 allow_module_level=True)
 
@@ -70,7 +71,7 @@ def test_float64_and_no_interpreter_use_the_reference(monkeypatch):
     before = dict(gl.launches)
     torch.testing.assert_close(gl.gated_linear(x, w_gate, w_up), gl.reference(x, w_gate, w_up))
     if DEVICE == "cpu":
-        monkeypatch.setattr("kpt_compiler.kernels.linear_epilogue._INTERPRETED", False)
+        monkeypatch.setattr("kpt_compiler.kernels._launch.INTERPRETED", False)
         x, w_gate, w_up = _inputs(9, 41, 33, torch.float32)
         torch.testing.assert_close(gl.gated_linear(x, w_gate, w_up), gl.reference(x, w_gate, w_up))
     assert dict(gl.launches) == before
@@ -80,7 +81,7 @@ def test_float64_and_no_interpreter_use_the_reference(monkeypatch):
 @pytest.mark.parametrize("M", [3, 70])
 def test_every_autotune_config_left_after_pruning(M, dtype):
     x, w_gate, w_up = _inputs(M, 300, 96, dtype)
-    configs = gl.prune_configs(gl.CONFIGS, {"M": M, "x_ptr": x})
+    configs = _gemm_common.prune_configs(gl.CONFIGS, {"M": M, "x_ptr": x})
     assert configs and all(c.kwargs["BLOCK_M"] <= 64 if M <= 64 else c.kwargs["BLOCK_M"] >= 64 for c in configs)
     ref = gl.reference(x.double(), w_gate.double(), w_up.double(), activation="silu")
     atol, rtol = TOLERANCES[dtype]
@@ -152,39 +153,33 @@ def test_bad_input_names_what_is_wrong(change, message):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("M, N, K", [(70, 40, 48), (33, 72, 80)])  # N not a multiple of the tile; a K tail
 def test_tma_gated_kernel_matches_float64_reference(M, N, K, dtype, activation, layout):
-    from kpt_compiler.kernels import linear_epilogue as le
-
     x, w_gate, w_up = _inputs(M, N, K, dtype)
     if layout != "separate":  # both weights in one buffer, as a fused gate_up projection stores them
         both = torch.cat([w_gate, w_up] if layout == "gate_then_up" else [w_up, w_gate])
         w_gate, w_up = (both[:N], both[N:]) if layout == "gate_then_up" else (both[N:], both[:N])
-    assert le.gated_tma_ok(w_gate, w_up)
+    assert _tma_gemm.gated_tma_ok(w_gate, w_up)
     config = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=False)
-    before = le.launches["tma"]
-    out = le.launch_tma_gated(x, w_gate, w_up, activation, config=config, num_sms=3)
-    assert le.launches["tma"] == before + 1
+    before = _tma_gemm.launches["tma"]
+    out = _tma_gemm.launch_tma_gated(x, w_gate, w_up, activation, config=config, num_sms=3)
+    assert _tma_gemm.launches["tma"] == before + 1
     atol, rtol = TOLERANCES[dtype]
     ref = gl.reference(x.double(), w_gate.double(), w_up.double(), activation)
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
 
 
 def test_tma_gated_needs_distinct_weights_with_one_row_stride():
-    from kpt_compiler.kernels import linear_epilogue as le
-
     w = torch.randn(32, 16)
-    assert not le.gated_tma_ok(w, w)  # the same tensor twice: no distance to stride over
-    assert not le.gated_tma_ok(w, torch.randn(32, 24)[:, :16])  # another row stride
-    assert le.gated_tma_ok(w, torch.randn(32, 16))
+    assert not _tma_gemm.gated_tma_ok(w, w)  # the same tensor twice: no distance to stride over
+    assert not _tma_gemm.gated_tma_ok(w, torch.randn(32, 24)[:, :16])  # another row stride
+    assert _tma_gemm.gated_tma_ok(w, torch.randn(32, 16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_triton_op_form_matches_float64_reference(monkeypatch, dtype):
     """torch.ops.kpt.gated_linear_triton (what Inductor traces on CUDA), called directly: it launches the
     pointer kernel itself; float64 goes to the inference op (the reference)."""
-    from kpt_compiler.kernels import linear_epilogue as le
-
     calls = []
-    real = le.wrapped_launch
+    real = _launch.wrapped_launch
     monkeypatch.setattr(gl, "wrapped_launch", lambda kernel, *a, **k: (calls.append(kernel), real(kernel, *a, **k)))
     args = _inputs(9, 41, 33, dtype, batch=(2,))
     before = dict(gl.launches)

@@ -125,7 +125,7 @@ def test_gradient_without_upstream_gradient_on_h():
 def test_reference_fallback_without_triton(monkeypatch):
     # CPU tensors without the interpreter run the eager reference, forward and backward
     x, r, w, b = (t.cpu() for t in _inputs((7, 341), torch.float32))
-    monkeypatch.setattr(L, "use_triton", lambda t, kernel: False)
+    monkeypatch.setattr(L, "kernel_runs", lambda t: False)
     for t in (x, r, w, b):
         t.requires_grad_()
     before = dict(L.launches)

@@ -8,16 +8,17 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-if not __import__("kpt_compiler.kernels.linear_epilogue", fromlist=["x"]).INTERPRETER_OK \
+if not __import__("kpt_compiler.kernels._launch", fromlist=["x"]).INTERPRETER_OK \
         and not __import__("torch").cuda.is_available():
     pytest.skip("triton 3.5's interpreter cannot run the GEMM kernels (3.6+ can)", allow_module_level=True)
 
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
+from kpt_compiler.kernels import _gemm_common, _launch, _tma_gemm  # noqa: E402
 from kpt_compiler.kernels import linear_epilogue as le  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu" and not le.use_kernel(torch.empty(0)):
+if DEVICE == "cpu" and not _launch.kernel_runs(torch.empty(0), _gemm_common.GEMM_DTYPES, needs_3_6_interpreter=True):
     pytest.skip("the kernel runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1 before import)",
                 allow_module_level=True)
 
@@ -83,7 +84,7 @@ def test_float64_and_no_interpreter_use_the_reference(monkeypatch):
     before = dict(le.launches)
     torch.testing.assert_close(le.linear_epilogue(x, w, b, r, "gelu"), le.reference(x, w, b, r, "gelu"))
     if DEVICE == "cpu":
-        monkeypatch.setattr(le, "_INTERPRETED", False)
+        monkeypatch.setattr(_launch, "INTERPRETED", False)
         x, w, b, r = _inputs(9, 41, 33, torch.float32)
         torch.testing.assert_close(le.linear_epilogue(x, w, b, r, "gelu"), le.reference(x, w, b, r, "gelu"))
     assert dict(le.launches) == before
@@ -93,7 +94,7 @@ def test_float64_and_no_interpreter_use_the_reference(monkeypatch):
 @pytest.mark.parametrize("M", [3, 70])
 def test_every_autotune_config_left_after_pruning(M, dtype):
     x, w, b, r = _inputs(M, 300, 96, dtype)
-    configs = le.prune_configs(le.CONFIGS, {"M": M, "x_ptr": x})
+    configs = _gemm_common.prune_configs(le.CONFIGS, {"M": M, "x_ptr": x})
     assert configs and all(c.kwargs["BLOCK_M"] <= 64 if M <= 64 else c.kwargs["BLOCK_M"] >= 64 for c in configs)
     if dtype == torch.float32:  # float32 tiles take twice the shared memory: half the K step
         assert max(c.kwargs["BLOCK_K"] for c in configs) < max(c.kwargs["BLOCK_K"] for c in le.CONFIGS)
@@ -181,9 +182,9 @@ TMA_SHAPES = [(70, 48, 40), (33, 80, 72), (128, 64, 16)]  # (M, N, K); rows 16-b
 def test_tma_kernel_matches_float64_reference(shape, dtype, activation, bias, residual, subtile):
     x, w, b, r = _inputs(*shape, dtype, bias=bias, residual=residual)
     config = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=2, EPILOGUE_SUBTILE=subtile)
-    before = le.launches["tma"]
-    out = le.launch_tma(x, w, b, r, activation, config=config, num_sms=3)
-    assert le.launches["tma"] == before + 1
+    before = _tma_gemm.launches["tma"]
+    out = _tma_gemm.launch_tma(x, w, b, r, activation, config=config, num_sms=3)
+    assert _tma_gemm.launches["tma"] == before + 1
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(out.double(), le.reference(*_double(x, w, b, r), activation=activation),
                                atol=atol, rtol=rtol)
@@ -193,26 +194,26 @@ def test_tma_configs_halve_the_k_step_for_float32():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     full = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, c.num_warps): c.kwargs["BLOCK_K"]
-            for c in le.TMA_CONFIGS}
+            for c in _tma_gemm.TMA_CONFIGS}
     for dtype, divisor in ((torch.float16, 1), (torch.float32, 2)):  # float32 tiles take twice the shared memory
         desc = TensorDescriptor.from_tensor(torch.empty(64, 64, dtype=dtype), [1, 1])
-        kept = le.prune_tma_configs(le.TMA_CONFIGS, {"x_desc": desc, "M": 4096})
-        assert len(kept) == len(le.TMA_CONFIGS)
+        kept = _tma_gemm.prune_tma_configs(_tma_gemm.TMA_CONFIGS, {"x_desc": desc, "M": 4096})
+        assert len(kept) == len(_tma_gemm.TMA_CONFIGS)
         for c in kept:
             assert c.kwargs["BLOCK_K"] == full[c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_stages, c.num_warps] // divisor
 
 
 def test_tma_not_used_off_hopper_or_unaligned():
     x = torch.empty(128, 64)
-    assert not le.tma_ok(x)  # CPU tensors: the op runs the pointer kernel (or the reference)
+    assert not _tma_gemm.tma_ok(x)  # CPU tensors: the op runs the pointer kernel (or the reference)
     if torch.cuda.is_available():
         xc = torch.empty(128, 63, device="cuda", dtype=torch.float16)  # 126-byte rows: not 16-byte aligned
-        assert not le.tma_ok(xc)
+        assert not _tma_gemm.tma_ok(xc)
 
 
 def _count_wrapped_launches(monkeypatch):
     calls = []
-    real = le.wrapped_launch
+    real = _launch.wrapped_launch
 
     def counted(kernel, *args, **kwargs):
         calls.append(kernel)
@@ -257,8 +258,8 @@ def test_triton_op_form_hands_the_rest_to_the_inference_op(monkeypatch):
 def test_inductor_autotuner_holds_the_pruned_configs(M, dtype):
     """Inductor autotunes a traced kernel over its ``configs`` without our pruning: the autotuner it is given
     must hold exactly what prune_configs keeps for the shape and dtype."""
-    tuner = le.inductor_autotuner(le._linear_epilogue_kernel, le.CONFIGS, M, dtype)
-    kept = le.prune_configs(le.CONFIGS, {"M": M, "x_ptr": torch.empty(0, dtype=dtype)})
+    tuner = _launch.inductor_autotuner(le._linear_epilogue_kernel, le.CONFIGS, M, dtype)
+    kept = _gemm_common.prune_configs(le.CONFIGS, {"M": M, "x_ptr": torch.empty(0, dtype=dtype)})
     assert [(c.kwargs, c.num_warps, c.num_stages) for c in tuner.configs] == \
         [(c.kwargs, c.num_warps, c.num_stages) for c in kept]
-    assert tuner is le.inductor_autotuner(le._linear_epilogue_kernel, le.CONFIGS, M, dtype)
+    assert tuner is _launch.inductor_autotuner(le._linear_epilogue_kernel, le.CONFIGS, M, dtype)

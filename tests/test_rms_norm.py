@@ -175,7 +175,7 @@ def test_gradient_without_upstream_gradient_on_h():
 def test_reference_fallback_without_triton(monkeypatch):
     # CPU tensors without the interpreter run the eager reference, forward and backward
     x, r, w = (t.cpu() for t in _inputs((7, 341), torch.float32))
-    monkeypatch.setattr(K, "use_triton", lambda t, kernel: False)
+    monkeypatch.setattr(K, "kernel_runs", lambda t: False)
     for t in (x, r, w):
         t.requires_grad_()
     before = dict(K.launches)

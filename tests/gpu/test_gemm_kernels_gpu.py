@@ -13,6 +13,7 @@ from kpt_compiler.bench import relative_error
 
 pytest.importorskip("triton")
 
+from kpt_compiler.kernels import _launch, _tma_gemm  # noqa: E402
 from kpt_compiler.kernels import gated_linear as gl  # noqa: E402
 from kpt_compiler.kernels import linear_epilogue as le  # noqa: E402
 
@@ -151,12 +152,12 @@ def test_hopper_takes_the_tma_kernel_for_large_gemms():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA needs compute capability 9.0")
     K = N = 8192
-    for M, expect in ((le.TMA_MIN_M, 1), (le.TMA_MIN_M - 1, 0), (8192, 1)):
-        assert le.use_tma(M, N, K) == bool(expect)
-        before = le.launches["tma"]
+    for M, expect in ((_tma_gemm.TMA_MIN_M, 1), (_tma_gemm.TMA_MIN_M - 1, 0), (8192, 1)):
+        assert _tma_gemm.use_tma(M, N, K) == bool(expect)
+        before = _tma_gemm.launches["tma"]
         le.linear_epilogue(*_linear_inputs(M, K, N))
         gl.gated_linear(*_gated_inputs(M, K, N))  # the gated form: one descriptor over both weights
-        assert le.launches["tma"] == before + 2 * expect
+        assert _tma_gemm.launches["tma"] == before + 2 * expect
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -172,10 +173,10 @@ def test_every_tma_config(dtype):
     ref = le.reference(*_float(x, w, b, r), activation="gelu_tanh")
     desc = TensorDescriptor.from_tensor(x, [1, 1])
     ran = 0
-    for c in le.prune_tma_configs(le.TMA_CONFIGS, {"x_desc": desc}):
+    for c in _tma_gemm.prune_tma_configs(_tma_gemm.TMA_CONFIGS, {"x_desc": desc}):
         config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
         try:
-            out = le.launch_tma(x, w, b, r, "gelu_tanh", config=config)
+            out = _tma_gemm.launch_tma(x, w, b, r, "gelu_tanh", config=config)
         except OutOfResources:  # the autotuner skips such a config too
             continue
         ran += 1
@@ -188,9 +189,9 @@ def test_later_calls_skip_the_autotuner_and_match(M, K, N):
     """After the first call with a shape, the launchers run the chosen config directly (launch_tuned): the
     result must be bit-identical to the first call's, for the autograd ops and the *_inference ones."""
     args = _linear_inputs(M, K, N)
-    le._chosen.clear()
+    _launch._chosen.clear()
     first = le.linear_epilogue(*args, activation="gelu_tanh")
-    assert le._chosen, "the first call did not record its config"
+    assert _launch._chosen, "the first call did not record its config"
     again = torch.ops.kpt.linear_epilogue_inference(*args, "gelu_tanh")
     assert torch.equal(first, again)
     gargs = _gated_inputs(M, K, N)
@@ -213,10 +214,10 @@ def test_every_tma_config_gated(dtype):
     ran = 0
     for weights in ((w_gate, w_up), (both[N:], both[:N])):
         ref = gl.reference(*_float(x, *weights), activation="silu")
-        for c in le.prune_tma_configs(le.TMA_CONFIGS, {"x_desc": desc}):
+        for c in _tma_gemm.prune_tma_configs(_tma_gemm.TMA_CONFIGS, {"x_desc": desc}):
             config = {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
             try:
-                out = le.launch_tma_gated(x, *weights, "silu", config=config)
+                out = _tma_gemm.launch_tma_gated(x, *weights, "silu", config=config)
             except OutOfResources:
                 continue
             ran += 1
@@ -242,10 +243,10 @@ def test_triton_op_form_is_launched_by_inductor(M):
     with torch.no_grad():
         out, (code, *_) = run_and_get_code(torch.compile(mlp, backend="inductor"), x, wg, wu, wd, res)
     assert relative_error(out, ref) < 1e-2, M
-    traced = not le.use_tma(M, 2 * N, K)
+    traced = not _tma_gemm.use_tma(M, 2 * N, K)
     assert ("_gated_linear_kernel" in code) == traced, code[-3000:]
     assert ("kpt.gated_linear_inference" in code) != traced, code[-3000:]
-    if not le.use_tma(M, K, N):
+    if not _tma_gemm.use_tma(M, K, N):
         assert "_linear_epilogue_kernel" in code and "kpt.linear_epilogue_inference" not in code, code[-3000:]
 
 
