@@ -128,7 +128,7 @@ def emit(gm, fn, args, kwargs=None, like=None):
 def triton_form(ctx: PassContext) -> bool:
     """Whether the GEMM rules emit the kernels' triton_op form where no gradient flows: where Inductor
     compiles for CUDA, which then launches the kernel as one of its own (see linear_epilogue_triton)."""
-    from kpt_compiler.kernels.linear_epilogue import HAVE_TRITON
+    from kpt_compiler.kernels._launch import HAVE_TRITON
 
     return HAVE_TRITON and ctx.codegen == "inductor" and ctx.target.device == "cuda"
 
