@@ -16,8 +16,9 @@ divided by their number; the device keeps up at these shapes) and the device tim
   - inductor+inference, inductor+triton: the inference op and the triton_op form (torch.ops.kpt.<name>_triton,
     which Inductor traces and launches as its own kernel) inside an Inductor graph, marginal cost as above;
 under torch.no_grad() at the zoo Llama's decode and prefill sizes (K=1024, N=2816 and 1024; ``--k`` sets K, e.g.
-768 for BERT). The fusion cost model's ``HOST_US`` (passes/fusion.py) comes from this table, and its horizontal
-calibration (the q/k/v rows, grouped-query and multi-head).
+768 for BERT). The cost model's host times per call and its ``horizontal`` table (the q/k/v rows, grouped-query
+and multi-head; the merged form is merge-parallel-linears' own ``merged_linear``) come from these measurements
+(``python -m benchmarks.calibrate --tables host,horizontal`` runs them and writes the card's calibration file).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from kpt_compiler.bench import median_ms
 from kpt_compiler.kernels import gated_linear as gl
 from kpt_compiler.kernels import linear_epilogue as le
 from kpt_compiler.kernels import rms_norm as rn
+from kpt_compiler.passes.merge_parallel_linears import merged_linear
 
 CALLS = 400
 COPIES = 5
@@ -64,6 +66,31 @@ def inductor_us(seq, copies: list[tuple]) -> tuple[float, float]:
     dev = (median_ms(lambda: many(rest), "cuda", rep_ms=100, cuda_graph=True)
            - median_ms(lambda: one(first), "cuda", rep_ms=100, cuda_graph=True)) * 1e3 / (len(rest) - 1)
     return host, dev
+
+
+def measure(name: str, M: int, seq, copies, fns: dict, variants=None) -> dict:
+    """One op's row: host and device microseconds per call of each variant (``variants``: which, default all)."""
+    row = {"op": name, "M": M, "host_us": {}, "device_us": {}}
+
+    def wanted(v):
+        return variants is None or v in variants
+
+    if wanted("aten"):
+        row["host_us"]["aten"] = host_us(lambda: seq(*copies[0]))
+        row["device_us"]["aten"] = median_ms(lambda: seq(*copies[0]), "cuda", rep_ms=100, cuda_graph=True) * 1e3
+    if wanted("inductor"):
+        row["host_us"]["inductor"], row["device_us"]["inductor"] = inductor_us(seq, copies)
+    for variant, fn in fns.items():
+        if not wanted(variant):
+            continue
+        if variant.startswith("inductor+"):  # fn is a sequence to compile, over the copies
+            row["host_us"][variant], row["device_us"][variant] = inductor_us(fn, copies)
+            continue
+        row["host_us"][variant] = host_us(fn)
+        row["device_us"][variant] = median_ms(fn, "cuda", rep_ms=100, cuda_graph=True) * 1e3
+    print(f"{name} M={M}: " + "  ".join(f"{v} host {row['host_us'][v]:.1f}us device {row['device_us'][v]:.1f}us"
+                                        for v in row["host_us"]), flush=True)
+    return row
 
 
 def cases(M: int, K: int = 1024, N: int = 2816):
@@ -99,12 +126,12 @@ def cases(M: int, K: int = 1024, N: int = 2816):
            for _ in range(COPIES)]
     yield "qkv: three linears", lambda x, wq, wk, wv: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)), qkv, {}
     yield "qkv: one linear over cat(Wq Wk Wv)", \
-        lambda x, wq, wk, wv: F.linear(x, torch.cat([wq, wk, wv])).split([K, K // 4, K // 4], -1), qkv, {}
+        lambda x, wq, wk, wv: merged_linear(x, [wq, wk, wv], None, [K, K // 4, K // 4]), qkv, {}
     # the same with full-width k and v (multi-head attention: BERT, GPT-2)
     mha = [(x, *(randn(K, K, scale=K ** -0.5) for _ in range(3))) for _ in range(COPIES)]
     yield "qkv-mha: three linears", lambda x, wq, wk, wv: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)), mha, {}
     yield "qkv-mha: one linear over cat(Wq Wk Wv)", \
-        lambda x, wq, wk, wv: F.linear(x, torch.cat([wq, wk, wv])).split([K, K, K], -1), mha, {}
+        lambda x, wq, wk, wv: merged_linear(x, [wq, wk, wv], None, [K, K, K]), mha, {}
     yield "add_rms_norm", lambda x, r: F.rms_norm(x + r, (K,), norm_w, 1e-6), [(x, randn(M, K)) for _ in range(COPIES)], {
         "op": lambda: torch.ops.kpt.add_rms_norm(x, res, norm_w, 1e-6, False),
         "launch": lambda: rn._forward(x, res, norm_w, 1e-6, False),
@@ -128,19 +155,7 @@ def main(argv=None) -> int:
             for name, seq, copies, fns in cases(M, args.k):
                 if args.ops and not name.startswith(tuple(args.ops.split(","))):
                     continue
-                row = {"op": name, "M": M, "host_us": {}, "device_us": {}}
-                row["host_us"]["aten"] = host_us(lambda: seq(*copies[0]))
-                row["device_us"]["aten"] = median_ms(lambda: seq(*copies[0]), "cuda", rep_ms=100, cuda_graph=True) * 1e3
-                row["host_us"]["inductor"], row["device_us"]["inductor"] = inductor_us(seq, copies)
-                for variant, fn in fns.items():
-                    if variant.startswith("inductor+"):  # fn is a sequence to compile, over the copies
-                        row["host_us"][variant], row["device_us"][variant] = inductor_us(fn, copies)
-                        continue
-                    row["host_us"][variant] = host_us(fn)
-                    row["device_us"][variant] = median_ms(fn, "cuda", rep_ms=100, cuda_graph=True) * 1e3
-                rows.append(row)
-                print(f"{name} M={M}: " + "  ".join(f"{v} host {row['host_us'][v]:.1f}us device "
-                                                    f"{row['device_us'][v]:.1f}us" for v in row["host_us"]), flush=True)
+                rows.append(measure(name, M, seq, copies, fns))
     title = (f"host and device time per call, torch.no_grad, bf16, K={args.k}, N=2816, {meta['card']}, "
              f"torch {meta['torch']}, triton {meta['triton']}, {meta['date']}; command: {meta['command']}")
     header = "| op | M | " + " | ".join(f"{v} host us | {v} device us" for v in VARIANTS) + " |"

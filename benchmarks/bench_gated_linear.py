@@ -21,11 +21,37 @@ import argparse
 
 import torch.nn.functional as F
 
-from benchmarks.bench_linear_epilogue import (SHAPES, best_config, compiled, markdown, randn, require_cuda,
-                                              run_meta, time_all, write)
+from benchmarks.bench_linear_epilogue import (SHAPES, make_row, best_config, compiled, markdown, randn,
+                                              require_cuda, run_meta, time_all, write)
 from kpt_compiler.bench import relative_error
 from kpt_compiler.kernels import _tma_gemm as tg
 from kpt_compiler.kernels import gated_linear as gl
+
+
+def measure(M: int, K: int, N: int, act: str, variants=None, launches: bool = True) -> dict:
+    """One shape's row (see bench_linear_epilogue.measure); ``variants`` picks among cublas, pointer, eager and
+    inductor (ours is always timed)."""
+    def unfused(x, w_gate, w_up):
+        return gl.ACTIVATIONS[act](F.linear(x, w_gate)) * F.linear(x, w_up)
+
+    x = randn(M, K, seed=1)
+    w_cat = randn(2 * N, K, scale=K ** -0.5, seed=2)
+    w_gate, w_up = w_cat[:N], w_cat[N:]  # views: contiguous rows, as separate nn.Linear weights would be
+    inductor = compiled(unfused) if variants is None or "inductor" in variants else None
+    fns = {
+        "cublas": lambda: F.linear(x, w_cat),
+        "ours": lambda: gl.gated_linear(x, w_gate, w_up, act),
+        "pointer": lambda: gl._launch(x, w_gate, w_up, act, tma=False),
+        "eager": lambda: unfused(x, w_gate, w_up),
+        "inductor": lambda: inductor(x, w_gate, w_up),
+    }
+    times, launched = time_all({k: f for k, f in fns.items() if variants is None or k in variants or k == "ours"},
+                               launches)
+    config = best_config(tg._gemm_tma_autotuned if tg.use_tma(M, 2 * N, K) else gl._gated_linear_autotuned)
+    ref = unfused(x.float(), w_gate.float(), w_up.float())
+    return make_row(M, K, N, times, launched, config, {"ours": relative_error(gl.gated_linear(x, w_gate, w_up, act), ref),
+                                                   "eager": relative_error(unfused(x, w_gate, w_up), ref)},
+                flop=2 * 2 * M * N * K)
 
 
 def main(argv=None) -> int:
@@ -37,34 +63,7 @@ def main(argv=None) -> int:
         return 2
     act = args.activation
     meta = {**run_meta(f"python -m benchmarks.bench_gated_linear --activation {act}"), "activation": act}
-
-    def unfused(x, w_gate, w_up):
-        return gl.ACTIVATIONS[act](F.linear(x, w_gate)) * F.linear(x, w_up)
-
-    rows = []
-    for M, K, N in SHAPES:
-        x = randn(M, K, seed=1)
-        w_cat = randn(2 * N, K, scale=K ** -0.5, seed=2)
-        w_gate, w_up = w_cat[:N], w_cat[N:]  # views: contiguous rows, as separate nn.Linear weights would be
-        inductor = compiled(unfused)
-        times, launched = time_all({
-            "cublas": lambda: F.linear(x, w_cat),
-            "ours": lambda: gl.gated_linear(x, w_gate, w_up, act),
-            "pointer": lambda: gl._launch(x, w_gate, w_up, act, tma=False),
-            "eager": lambda: unfused(x, w_gate, w_up),
-            "inductor": lambda: inductor(x, w_gate, w_up),
-        })
-        config = best_config(tg._gemm_tma_autotuned if tg.use_tma(M, 2 * N, K) else gl._gated_linear_autotuned)
-        ref = unfused(x.float(), w_gate.float(), w_up.float())
-        flop = 2 * 2 * M * N * K
-        row = {"shape": [M, K, N], "ms": times, "tflops": {n: flop / t / 1e9 for n, t in times.items()},
-               "ours_vs_cublas": times["cublas"] / times["ours"], "ours_vs_inductor": times["inductor"] / times["ours"],
-               "ours_vs_inductor_launched": launched["inductor"] / launched["ours"], "ms_launched": launched,
-               "config": config, "rel_err": {"ours": relative_error(gl.gated_linear(x, w_gate, w_up, act), ref),
-                                             "eager": relative_error(unfused(x, w_gate, w_up), ref)}}
-        rows.append(row)
-        print(f"{M}x{K}x{N}: " + "  ".join(f"{n} {t:.3f}ms" for n, t in times.items())
-              + f"  ours/cuBLAS {row['ours_vs_cublas']:.0%}  [{config}]", flush=True)
+    rows = [measure(M, K, N, act) for M, K, N in SHAPES]
     columns = [("cublas", "cuBLAS one GEMM [M, 2N]"), ("ours", "ours (fused)"),
                ("pointer", "ours, pointer kernel only"), ("eager", "eager"),
                ("inductor", "Inductor")]

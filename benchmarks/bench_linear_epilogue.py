@@ -57,16 +57,17 @@ def randn(*shape, scale=1.0, seed=0):
     return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16)
 
 
-def time_all(fns: dict) -> tuple[dict, dict]:
-    """Median ms of each callable, as CUDA-graph replays (the kernels' device time) and as plain calls (with
-    the host's launch costs, which a model compiled without CUDA graphs pays when the GPU waits on the host);
-    each is called once first (autotuning, compilation) outside the timing."""
+def time_all(fns: dict, launches: bool = True) -> tuple[dict, dict]:
+    """Median ms of each callable, as CUDA-graph replays (the kernels' device time) and, with ``launches``, as
+    plain calls (with the host's launch costs, which a model compiled without CUDA graphs pays when the GPU
+    waits on the host); each is called once first (autotuning, compilation) outside the timing."""
     device, launched = {}, {}
     for name, fn in fns.items():
         fn()
         torch.cuda.synchronize()
         device[name] = median_ms(fn, "cuda", cuda_graph=True)
-        launched[name] = median_ms(fn, "cuda")
+        if launches:
+            launched[name] = median_ms(fn, "cuda")
     return device, launched
 
 
@@ -119,9 +120,50 @@ def markdown(meta: dict, title: str, rows: list[dict], columns: list[tuple[str, 
                      f" | {r['config']} | "
                      f"{r['rel_err']['ours']:.1e} / {r['rel_err']['eager']:.1e} |")
     lines.append("\nTFLOP/s (2*M*N*K per GEMM) of the kernels' device time (CUDA-graph replays). ours / cuBLAS: ours "
-                 "with its epilogue against the GEMM alone. Launches included: plain calls, host costs in (the "
-                 "fusion pass's cost model uses this one).")
+                 "with its epilogue against the GEMM alone. Launches included: plain calls, host costs in. The cost "
+                 "model's calibration (benchmarks.calibrate) takes the device-time ratios.")
     return "\n".join(lines)
+
+
+def measure(M: int, K: int, N: int, act: str, variants=None, launches: bool = True) -> dict:
+    """One shape's row: each variant's device time (and with launches), TFLOP/s, the ratios that apply, the
+    config the autotuner chose and the errors. ``variants`` (default all) picks among cublas, ours_gemm, eager,
+    inductor and ours (always timed): ``benchmarks.calibrate`` times only what a calibration table needs, and
+    device time only (``launches=False``)."""
+    def unfused(x, w, b, r):
+        return le.ACTIVATIONS[act](F.linear(x, w, b)) + r
+
+    x, w = randn(M, K, seed=1), randn(N, K, scale=K ** -0.5, seed=2)
+    b, r = randn(N, seed=3), randn(M, N, seed=4)
+    inductor = compiled(unfused) if variants is None or "inductor" in variants else None
+    fns = {
+        "cublas": lambda: F.linear(x, w),
+        "ours_gemm": lambda: le.linear_epilogue(x, w),
+        "eager": lambda: unfused(x, w, b, r),
+        "inductor": lambda: inductor(x, w, b, r),
+        "ours": lambda: le.linear_epilogue(x, w, b, r, act),  # last: its config is the autotuner's last choice
+    }
+    times, launched = time_all({k: f for k, f in fns.items() if variants is None or k in variants or k == "ours"},
+                               launches)
+    config = best_config(tg._gemm_tma_autotuned if tg.use_tma(M, N, K) else le._linear_epilogue_autotuned)
+    ref = unfused(x.float(), w.float(), b.float(), r.float())
+    return make_row(M, K, N, times, launched, config, {"ours": relative_error(le.linear_epilogue(x, w, b, r, act), ref),
+                                                   "eager": relative_error(unfused(x, w, b, r), ref)})
+
+
+def make_row(M, K, N, times, launched, config, rel_err, flop=None) -> dict:
+    flop = flop or 2 * M * N * K
+    row = {"shape": [M, K, N], "ms": times, "tflops": {n: flop / t / 1e9 for n, t in times.items()},
+           "ms_launched": launched, "config": config, "rel_err": rel_err}
+    if "cublas" in times:
+        row["ours_vs_cublas"] = times["cublas"] / times["ours"]
+    if "inductor" in times:
+        row["ours_vs_inductor"] = times["inductor"] / times["ours"]
+    if "inductor" in launched:
+        row["ours_vs_inductor_launched"] = launched["inductor"] / launched["ours"]
+    print(f"{M}x{K}x{N}: " + "  ".join(f"{n} {t:.3f}ms" for n, t in times.items())
+          + (f"  ours/cuBLAS {row['ours_vs_cublas']:.0%}" if "cublas" in times else "") + f"  [{config}]", flush=True)
+    return row
 
 
 def main(argv=None) -> int:
@@ -133,33 +175,7 @@ def main(argv=None) -> int:
         return 2
     act = args.activation
     meta = {**run_meta(f"python -m benchmarks.bench_linear_epilogue --activation {act}"), "activation": act}
-
-    def unfused(x, w, b, r):
-        return le.ACTIVATIONS[act](F.linear(x, w, b)) + r
-
-    rows = []
-    for M, K, N in SHAPES:
-        x, w = randn(M, K, seed=1), randn(N, K, scale=K ** -0.5, seed=2)
-        b, r = randn(N, seed=3), randn(M, N, seed=4)
-        inductor = compiled(unfused)
-        times, launched = time_all({
-            "cublas": lambda: F.linear(x, w),
-            "ours_gemm": lambda: le.linear_epilogue(x, w),
-            "eager": lambda: unfused(x, w, b, r),
-            "inductor": lambda: inductor(x, w, b, r),
-            "ours": lambda: le.linear_epilogue(x, w, b, r, act),  # last: its config is the autotuner's last choice
-        })
-        config = best_config(tg._gemm_tma_autotuned if tg.use_tma(M, N, K) else le._linear_epilogue_autotuned)
-        ref = unfused(x.float(), w.float(), b.float(), r.float())
-        flop = 2 * M * N * K
-        row = {"shape": [M, K, N], "ms": times, "tflops": {n: flop / t / 1e9 for n, t in times.items()},
-               "ours_vs_cublas": times["cublas"] / times["ours"], "ours_vs_inductor": times["inductor"] / times["ours"],
-               "ours_vs_inductor_launched": launched["inductor"] / launched["ours"], "ms_launched": launched,
-               "config": config, "rel_err": {"ours": relative_error(le.linear_epilogue(x, w, b, r, act), ref),
-                                             "eager": relative_error(unfused(x, w, b, r), ref)}}
-        rows.append(row)
-        print(f"{M}x{K}x{N}: " + "  ".join(f"{n} {t:.3f}ms" for n, t in times.items())
-              + f"  ours/cuBLAS {row['ours_vs_cublas']:.0%}  [{config}]", flush=True)
+    rows = [measure(M, K, N, act) for M, K, N in SHAPES]
     columns = [("cublas", "cuBLAS GEMM alone"), ("ours", "ours (fused)"), ("ours_gemm", "ours, GEMM only"),
                ("eager", "eager"), ("inductor", "Inductor")]
     table = markdown(meta, f"linear + bias + {act} + residual", rows, columns)

@@ -1,15 +1,15 @@
 """Named kernelpytorch option sets: each runs as mode ``kpt[<name>]`` beside plain ``kpt`` (default options).
 
 torch.compile refuses ``mode=`` together with ``options=``, so a mode goes inside the options.
-Plain ``kpt`` runs every pass that is on by default (attention, fusion); a set that switches one
-on or off shows what that pass buys on every model. Later passes add their sets here.
+Plain ``kpt`` runs every pass that is on by default (attention and the fusion group's passes); a set that
+switches one on or off shows what that pass buys on every model. Later passes add their sets here.
 """
 
 OPTION_SETS: dict[str, dict] = {
     "ro": {"mode": "reduce-overhead"},  # CUDA graphs on top of our pipeline, to compare with inductor-ro
-    "no-fusion": {"fusion": False},  # fusion off (on by default): what the pass buys on every model
+    "no-fusion": {"fusion": False},  # the fusion group off (on by default): what its passes buy on every model
     "ro-no-fusion": {"mode": "reduce-overhead", "fusion": False},  # the same under CUDA graphs
-    "no-horizontal": {"fusion": {"horizontal": False}},  # fusion without the q/k/v rule: what that rule buys
+    "no-horizontal": {"merge_parallel_linears": False},  # fusion without q/k/v merging: what that pass buys
     "fusion-always": {"fusion": {"decide": "always"}},  # every fusion taken: checks the cost model's refusals
     "fusion-measure": {"fusion": {"decide": "measure"}},  # decisions timed on the device at compile time
 }

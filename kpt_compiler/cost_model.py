@@ -146,6 +146,8 @@ class Calibration:
 
     @property
     def ceilings(self) -> dict:
+        """The card's rates the cost model estimates Inductor's device time from (tflops, copy_tbps,
+        kernel_floor_us)."""
         return self.data["ceilings"]
 
     def provenance(self, entry: dict) -> str:
@@ -292,7 +294,7 @@ class CostModel:
         why = (f"cost model: {speedup:.2f}x over Inductor's device time measured on {cal.card} at M,K,N={M},{K},{N}, "
                f"the nearest calibrated shape ({cal.provenance(point)})")
         host = None if self.cudagraphs else cal.host_us(c.entry)
-        if host is not None and c.gemm_ns:
+        if host is not None and c.gemm_ns and cal.data.get("ceilings"):
             theirs_device = self._inductor_device_us(cal, c)
             ours_host, their_host = host[c.form], host["inductor"]
             ours_device = theirs_device / speedup

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # benchmarks/ is a package at the repository root, run as python -m benchmarks.run
@@ -181,3 +182,35 @@ def test_the_commit_can_be_named_where_git_is_stale(monkeypatch):
     assert from_git is None or len(from_git.split("+")[0]) >= 7
     monkeypatch.setenv("KPT_COMMIT", "abc1234")
     assert run._git_commit() == "abc1234"
+
+
+def test_calibrate_refuses_without_a_gpu(capsys):
+    from benchmarks import calibrate
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert calibrate.main(["--tables", "ceilings"]) == 2
+    assert "run it on the GPU machine" in capsys.readouterr().err
+
+
+def test_calibration_files_merge_tables_and_keep_each_entrys_run():
+    from benchmarks.calibrate import merge
+
+    device = {"name": "NVIDIA H100 80GB HBM3", "capability": [9, 0]}
+    first = {"command": "python -m benchmarks.calibrate", "date": "2026-11-26", "commit": "aaa"}
+    gemm = {"source": "s1", "points": [{"M": 1, "K": 2, "N": 3, "speedup": 1.5}]}
+    data = merge(None, device, first, {"gated_linear": gemm, "ceilings": {"tflops": 700.0},
+                                       "host": {"gated_linear": {"inference": 50.0, "triton": 12.0, "inductor": 37.0}}})
+    assert data["runs"] == [first] and data["device_time"]["gated_linear"]["bfloat16"]["points"][0]["run"] == 0
+    second = {**first, "commit": "bbb", "command": "python -m benchmarks.calibrate --tables gated_linear"}
+    again = merge(json.loads(json.dumps(data)), device, second, {"gated_linear": {**gemm, "source": "s2"}})
+    assert again["runs"] == [first, second]  # the first still measured the ceilings and the host table
+    assert again["device_time"]["gated_linear"]["bfloat16"]["source"] == "s2"
+    assert again["device_time"]["gated_linear"]["bfloat16"]["points"][0]["run"] == 1 and again["ceilings"]["run"] == 0
+    third = merge(json.loads(json.dumps(again)), device, {**second, "commit": "ccc"},
+                  {"ceilings": {"tflops": 710.0}, "host": {"gated_linear": {"inference": 1.0, "triton": 1.0,
+                                                                              "inductor": 1.0}}})
+    assert [r["commit"] for r in third["runs"]] == ["bbb", "ccc"]  # nothing names the first run any more
+    assert third["ceilings"]["run"] == 1 and third["device_time"]["gated_linear"]["bfloat16"]["points"][0]["run"] == 0
+    with pytest.raises(ValueError, match="this card is"):
+        merge(third, {"name": "NVIDIA H200", "capability": [9, 0]}, first, {})

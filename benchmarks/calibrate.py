@@ -1,0 +1,236 @@
+"""Calibrate the cost model on this card: measure each table and write the card's calibration file.
+
+    KPT_COMMIT=$(git rev-parse --short HEAD) python -m benchmarks.calibrate [--tables a,b] [--out DIR]   (CUDA)
+
+Writes ``<out>/<card>.sm<XY>.json`` (default out: kpt_compiler/calibration, where the cost model reads it;
+the format is calibration/README.md), merging into the card's file if there is one: the tables measured
+now replace theirs, the others stay with the runs that measured them. Every entry names its run (command,
+date, commit, torch and triton versions), and every device-time table the hash of the kernel source it was
+measured with (``kpt_compiler.cost_model.source_hash``). bf16 throughout. Tables:
+
+  gated_linear             ours vs Inductor, device time, silu, at bench_linear_epilogue.SHAPES
+                           (bench_gated_linear.measure: two cuBLAS GEMMs and Inductor's pointwise kernel)
+  linear_epilogue          ours vs Inductor, device time, bias + gelu_tanh + residual, same shapes
+  linear_epilogue_vs_gemm  ours with bias + residual and no activation vs the cuBLAS GEMM alone (Inductor
+                           folds those into cuBLAS and the next kernel), same shapes
+  horizontal               merged_linear against three linears, both compiled by Inductor, marginal device
+                           time (bench_dispatch.measure): grouped-query q/k/v at K=1024, multi-head at 1024
+                           and at BERT's 768 x 16384 rows
+  host                     host microseconds per call at 128 rows (bench_dispatch.measure): ours as the
+                           inference op and as the triton_op inside an Inductor graph, Inductor's calls
+  ceilings                 the bf16 GEMM rate at 8192^3, the copy bandwidth, and a small GEMM's fixed cost
+                           (what the cost model estimates Inductor's device time from)
+
+Takes about 6-8 minutes for all of them on an H100; ``--tables`` runs some (each call adds its run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kpt_compiler import cost_model as cm
+
+TABLES = ("gated_linear", "linear_epilogue", "linear_epilogue_vs_gemm", "horizontal", "host", "ceilings")
+# (M, K, widths) of the q/k/v cases: grouped-query as the zoo Llama (K=1024, k and v a quarter), multi-head
+HORIZONTAL = [(1, 1024, "gqa"), (128, 1024, "gqa"), (1024, 1024, "gqa"), (8192, 1024, "gqa"), (1024, 1024, "mha"),
+              (8192, 1024, "mha"), (16384, 768, "mha")]
+HOST_ROWS = 128  # host time hardly depends on M
+
+
+def _commit() -> str:
+    """KPT_COMMIT where given (the GPU machine's copy of the repository has a stale git HEAD), else git's,
+    marked "+dirty" when the tree has changes."""
+    if os.environ.get("KPT_COMMIT"):
+        return os.environ["KPT_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True).stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def new_run(argv: list[str]) -> dict:
+    import triton
+
+    return {"command": "python -m benchmarks.calibrate " + shlex.join(argv), "date": str(datetime.date.today()),
+            "commit": _commit(), "torch": torch.__version__, "triton": triton.__version__}
+
+
+def merge(old: dict | None, device: dict, run: dict, measured: dict) -> dict:
+    """The card's file after this run: ``measured`` maps table names to what they measured (device-time tables:
+    ``{"source": hash, "points": [...]}``; "host": ``{kind: {...}}``; "ceilings": ``{...}``), each entry
+    without its run, which this adds. Runs no entry names any more are dropped and the rest renumbered."""
+    data = old or {"device": device, "runs": [], "ceilings": None, "device_time": {}, "host_us": {}}
+    if data["device"] != device:
+        raise ValueError(f"the file is {data['device']}'s, this card is {device}")
+    runs = data["runs"] + [run]
+    index = len(runs) - 1
+    for table, value in measured.items():
+        if table == "ceilings":
+            data["ceilings"] = {**value, "run": index}
+        elif table == "host":
+            data["host_us"].update({kind: {**v, "run": index} for kind, v in value.items()})
+        else:
+            points = [{**p, "run": index} for p in value["points"]]
+            data["device_time"][table] = {"bfloat16": {"source": value["source"], "points": points}}
+    entries = [data["ceilings"]] if data["ceilings"] else []
+    entries += list(data["host_us"].values())
+    entries += [p for by_dtype in data["device_time"].values() for t in by_dtype.values() for p in t["points"]]
+    used = sorted({e["run"] for e in entries})
+    renumber = {old_index: new for new, old_index in enumerate(used)}
+    for e in entries:
+        e["run"] = renumber[e["run"]]
+    data["runs"] = [runs[i] for i in used]
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def _points(rows: list[dict], ratio: str) -> list[dict]:
+    return [{"M": r["shape"][0], "K": r["shape"][1], "N": r["shape"][2], "speedup": round(r[ratio], 4),
+             "ours_us": round(r["ms"]["ours"] * 1e3, 2),
+             "theirs_us": round(r["ms"]["inductor" if ratio == "ours_vs_inductor" else "cublas"] * 1e3, 2)}
+            for r in rows]
+
+
+def measure_gemm_tables(tables: list[str]) -> dict:
+    from benchmarks import bench_gated_linear, bench_linear_epilogue
+    from benchmarks.bench_linear_epilogue import SHAPES
+    from kpt_compiler.kernels import gated_linear, linear_epilogue
+
+    out = {}
+    if "gated_linear" in tables:
+        rows = [bench_gated_linear.measure(M, K, N, "silu", variants=("inductor",), launches=False)
+                for M, K, N in SHAPES]
+        out["gated_linear"] = {"source": cm.source_hash(gated_linear), "points": _points(rows, "ours_vs_inductor")}
+    if "linear_epilogue" in tables:
+        rows = [bench_linear_epilogue.measure(M, K, N, "gelu_tanh", variants=("inductor",), launches=False)
+                for M, K, N in SHAPES]
+        out["linear_epilogue"] = {"source": cm.source_hash(linear_epilogue),
+                                  "points": _points(rows, "ours_vs_inductor")}
+    if "linear_epilogue_vs_gemm" in tables:
+        rows = [bench_linear_epilogue.measure(M, K, N, "none", variants=("cublas",), launches=False)
+                for M, K, N in SHAPES]
+        out["linear_epilogue_vs_gemm"] = {"source": cm.source_hash(linear_epilogue),
+                                          "points": _points(rows, "ours_vs_cublas")}
+    return out
+
+
+def _dispatch_case(M: int, K: int, prefix: str) -> dict:
+    """bench_dispatch's cases at M rows and input width K whose names start with ``prefix``, by name."""
+    from benchmarks.bench_dispatch import cases
+
+    return {name: (seq, copies, fns) for name, seq, copies, fns in cases(M, K) if name.startswith(prefix)}
+
+
+def measure_horizontal() -> dict:
+    from benchmarks.bench_dispatch import measure
+    from kpt_compiler.passes.merge_parallel_linears import merged_linear
+
+    points = []
+    with torch.no_grad():
+        for M, K, form in HORIZONTAL:
+            prefix = "qkv: " if form == "gqa" else "qkv-mha: "
+            found = _dispatch_case(M, K, prefix)
+            (three,) = [v for n, v in found.items() if "three" in n]
+            (one,) = [v for n, v in found.items() if "one linear" in n]
+            theirs = measure(prefix + "three", M, three[0], three[1], {}, variants=("inductor",))
+            ours = measure(prefix + "merged", M, one[0], one[1], {}, variants=("inductor",))
+            N = K + K // 2 if form == "gqa" else 3 * K
+            t, o = theirs["device_us"]["inductor"], ours["device_us"]["inductor"]
+            points.append({"M": M, "K": K, "N": N, "speedup": round(t / o, 4), "ours_us": round(o, 2),
+                           "theirs_us": round(t, 2)})
+    return {"source": cm.source_hash(merged_linear), "points": points}
+
+
+def measure_host() -> dict:
+    from benchmarks.bench_dispatch import measure
+
+    def host(name, prefix, variants):
+        (case,) = [v for n, v in _dispatch_case(HOST_ROWS, 1024, prefix).items() if n == name]
+        return measure(name, HOST_ROWS, *case, variants=variants)["host_us"]
+
+    out = {}
+    with torch.no_grad():
+        both = ("inductor", "inductor+inference", "inductor+triton")
+        gated = host("gated_linear", "gated_linear", both)
+        out["gated_linear"] = {"inference": gated["inductor+inference"], "triton": gated["inductor+triton"],
+                               "inductor": gated["inductor"]}
+        epi = host("linear_epilogue (residual)", "linear_epilogue", both)
+        ours = {"inference": epi["inductor+inference"], "triton": epi["inductor+triton"]}
+        out["linear_epilogue"] = {**ours, "inductor": epi["inductor"]}
+        alone = host("linear alone", "linear alone", ("inductor",))
+        out["linear_epilogue_vs_gemm"] = {**ours, "inductor": alone["inductor"]}
+        three = host("qkv: three linears", "qkv: ", ("inductor",))
+        merged = host("qkv: one linear over cat(Wq Wk Wv)", "qkv: ", ("inductor",))
+        # the merged form is Inductor's own code either way: one figure for both of our forms
+        out["horizontal"] = {"inference": merged["inductor"], "triton": merged["inductor"],
+                             "inductor": three["inductor"]}
+    return {kind: {k: round(v, 2) for k, v in value.items()} | {"M": HOST_ROWS} for kind, value in out.items()}
+
+
+def measure_ceilings() -> dict:
+    from kpt_compiler.bench import copy_bandwidth, median_ms
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    tflops = 2 * 8192 ** 3 / (median_ms(lambda: a @ b, "cuda", cuda_graph=True) * 1e-3) / 1e12
+    tbps = copy_bandwidth()
+    x = torch.randn(128, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    small_us = median_ms(lambda: F.linear(x, w), "cuda", cuda_graph=True) * 1e3
+    ideal_us = max(2 * 128 * 1024 * 1024 / (tflops * 1e6), 2 * (2 * 128 * 1024 + 1024 * 1024) / (tbps * 1e6))
+    return {"tflops": round(tflops, 1), "copy_tbps": round(tbps, 3), "kernel_floor_us": round(small_us - ideal_us, 2),
+            "note": "tflops: bf16 8192^3 GEMM; kernel_floor_us: a 128x1024x1024 GEMM's device time over its ideal"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tables", default=",".join(TABLES), help=f"comma-separated, from: {', '.join(TABLES)}")
+    p.add_argument("--out", default=str(cm.CALIBRATION_DIR), help="the folder of calibration files")
+    args = p.parse_args(argv)
+    tables = [t.strip() for t in args.tables.split(",") if t.strip()]
+    unknown = sorted(set(tables) - set(TABLES))
+    if unknown:
+        p.error(f"unknown table(s) {unknown}; known: {', '.join(TABLES)}")
+    if not torch.cuda.is_available():
+        print("error: benchmarks.calibrate measures this card's CUDA kernels and torch.cuda.is_available() is "
+              "False; run it on the GPU machine", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    device = {"name": props.name, "capability": [props.major, props.minor]}
+    run = new_run(argv)
+    measured = measure_gemm_tables(tables)
+    if "horizontal" in tables:
+        measured["horizontal"] = measure_horizontal()
+    if "host" in tables:
+        measured["host"] = measure_host()
+    if "ceilings" in tables:
+        measured["ceilings"] = measure_ceilings()
+    path = Path(args.out) / cm.calibration_file(props.name, (props.major, props.minor))
+    old = json.loads(path.read_text()) if path.exists() else None
+    data = merge(old, device, run, measured)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {path}: " + ", ".join(tables))
+    for table, value in measured.items():
+        print(f"  {table}: " + json.dumps(value)[:400])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
