@@ -75,8 +75,8 @@ def merge(old: dict | None, device: dict, run: dict, measured: dict) -> dict:
     data = old or {"device": device, "runs": [], "ceilings": None, "device_time": {}, "host_us": {}}
     if data["device"] != device:
         raise ValueError(f"the file is {data['device']}'s, this card is {device}")
-    runs = data["runs"] + [run]
-    index = len(runs) - 1
+    runs = data["runs"] + ([] if run in data["runs"] else [run])
+    index = runs.index(run)
     for table, value in measured.items():
         if table == "ceilings":
             data["ceilings"] = {**value, "run": index}
@@ -214,21 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     device = {"name": props.name, "capability": [props.major, props.minor]}
     run = new_run(argv)
-    measured = measure_gemm_tables(tables)
-    if "horizontal" in tables:
-        measured["horizontal"] = measure_horizontal()
-    if "host" in tables:
-        measured["host"] = measure_host()
-    if "ceilings" in tables:
-        measured["ceilings"] = measure_ceilings()
     path = Path(args.out) / cm.calibration_file(props.name, (props.major, props.minor))
-    old = json.loads(path.read_text()) if path.exists() else None
-    data = merge(old, device, run, measured)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {path}: " + ", ".join(tables))
-    for table, value in measured.items():
-        print(f"  {table}: " + json.dumps(value)[:400])
+    measures = {"horizontal": measure_horizontal, "host": measure_host, "ceilings": measure_ceilings}
+    for table in tables:  # written after each table, so a run cut short keeps what it measured
+        measured = measures[table]() if table in measures else measure_gemm_tables([table])[table]
+        old = json.loads(path.read_text()) if path.exists() else None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(merge(old, device, run, {table: measured}), indent=1) + "\n")
+        print(f"wrote {path}: {table}: " + json.dumps(measured)[:600], flush=True)
     return 0
 
 
