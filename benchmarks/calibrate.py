@@ -21,7 +21,7 @@ measured with (``kpt_compiler.cost_model.source_hash``). bf16 throughout. Tables
   ceilings                 the bf16 GEMM rate at 8192^3, the copy bandwidth, and a small GEMM's fixed cost
                            (what the cost model estimates Inductor's device time from)
 
-Takes about 6-8 minutes for all of them on an H100; ``--tables`` runs some (each call adds its run).
+Takes about 5 minutes for all of them on an H100 or H200; ``--tables`` runs some (each call adds its run).
 """
 
 from __future__ import annotations
