@@ -84,7 +84,7 @@ def merge(old: dict | None, device: dict, run: dict, measured: dict) -> dict:
             data["host_us"].update({kind: {**v, "run": index} for kind, v in value.items()})
         else:
             points = [{**p, "run": index} for p in value["points"]]
-            data["device_time"][table] = {"bfloat16": {"source": value["source"], "points": points}}
+            data["device_time"].setdefault(table, {})["bfloat16"] = {"source": value["source"], "points": points}
     entries = [data["ceilings"]] if data["ceilings"] else []
     entries += list(data["host_us"].values())
     entries += [p for by_dtype in data["device_time"].values() for t in by_dtype.values() for p in t["points"]]

@@ -69,7 +69,7 @@ def _code_text(text: str) -> str:
     Comments and docstrings are cut at the tokenizer's positions and whitespace is collapsed; the code is kept
     as written, so the text is the same whichever Python tokenized it (3.12 splits f-strings into tokens,
     3.11 does not; the GPU machine runs 3.12, CI 3.11)."""
-    lines = text.splitlines(keepends=True)
+    lines = io.StringIO(text).readlines()  # the tokenizer's lines (splitlines also splits at \x0c, \x85, ...)
     starts = [0]
     for line in lines:
         starts.append(starts[-1] + len(line))
@@ -104,17 +104,32 @@ def _module_files(module: types.ModuleType) -> list[Path]:
 def source_hash(source: Any) -> str:
     """A short hash of what decides a rewrite's speed: a kernel module (the files its ``SOURCE_MODULES`` names,
     or its own) or a function (its source), comments and docstrings aside. Raises if the source cannot be
-    read: a decision keyed without its source could outlive a change of the kernel."""
+    read: a decision keyed without its source could outlive a change of the kernel. Cached per file state
+    (a compile asks for every candidate; tokenizing a kernel's files takes tens of milliseconds)."""
     if isinstance(source, types.ModuleType):
-        texts = [p.read_text() for p in _module_files(source)]
-    elif callable(source):
-        texts = [inspect.getsource(source)]
-    else:
-        raise TypeError(f"source_hash: a kernel module or a function, not {type(source).__name__}")
+        files = _module_files(source)
+        return _hash_files(tuple((str(p), p.stat().st_mtime_ns) for p in files))
+    if callable(source):
+        path = Path(inspect.getsourcefile(source))
+        return _hash_function(str(path), path.stat().st_mtime_ns, source.__qualname__, source)
+    raise TypeError(f"source_hash: a kernel module or a function, not {type(source).__name__}")
+
+
+def _hash_texts(texts: list[str]) -> str:
     h = hashlib.sha256()
     for text in texts:
         h.update(_code_text(text).encode() + b"\0")
     return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=64)
+def _hash_files(files: tuple[tuple[str, int], ...]) -> str:
+    return _hash_texts([Path(path).read_text() for path, _stamp in files])
+
+
+@functools.lru_cache(maxsize=64)
+def _hash_function(_path: str, _stamp: int, _qualname: str, fn: Callable) -> str:
+    return _hash_texts([inspect.getsource(fn)])
 
 
 # ---------------------------------------------------------------------------------------------- calibration
@@ -191,6 +206,7 @@ class Candidate:
     unfused_kernels: int = 1  # the kernels Inductor runs instead
     ours: Callable[[], object] | None = None  # run our kernel once on inputs of the shape ("measure")
     baseline_ms: Callable[[], float] | None = None  # Inductor's best case in ms ("measure")
+    timeable: bool = True  # whether the pass can time this kind at compile time (give ours and baseline_ms)
 
     @property
     def entry(self) -> str:
@@ -240,9 +256,9 @@ class CostModel:
     def calibration(self) -> Calibration | None:
         return self._calibration
 
-    def _key(self, c: Candidate) -> str:
+    def _key(self, c: Candidate, source: str) -> str:
         card = [self.target.name, list(self.target.capability or ())]
-        return json.dumps([card, c.kind, c.rows, c.shapes, str(c.dtype), source_hash(c.source)], sort_keys=True)
+        return json.dumps([card, c.kind, c.rows, c.shapes, str(c.dtype), source], sort_keys=True)
 
     def decide(self, how: str, c: Candidate) -> Decision:
         if how == "always":
@@ -250,25 +266,26 @@ class CostModel:
         if not self.target.is_cuda:
             return Decision(False, f"on {self.target.device} our kernels run their eager reference; Inductor's code "
                                    "is faster")
+        source = source_hash(c.source)
         if how == "measure" and c.ours is not None and c.baseline_ms is not None:
-            return self._measure(c)
-        cached = _load_cache().get(self._key(c))
+            return self._measure(c, source)
+        cached = _load_cache().get(self._key(c, source))
         if cached is not None:
             return Decision(bool(cached["rewrite"]), f"measured earlier: ours {cached['ours_ms']:.4f} ms, Inductor at "
                                                      f"best {cached['inductor_ms']:.4f} ms (cache {cache_path()})")
-        return self._calibrated(c)
+        return self._calibrated(c, source, timed=c.timeable)
 
-    def _measure(self, c: Candidate) -> Decision:
+    def _measure(self, c: Candidate, source: str) -> Decision:
         from .bench import median_ms
 
         ours = median_ms(c.ours, "cuda", warmup_ms=25, rep_ms=100)
         base = c.baseline_ms()
         won = ours < base
-        _store(self._key(c), {"rewrite": won, "ours_ms": ours, "inductor_ms": base})
+        _store(self._key(c, source), {"rewrite": won, "ours_ms": ours, "inductor_ms": base})
         return Decision(won, f"measured on {self.target.card}: ours {ours:.4f} ms, Inductor at best {base:.4f} ms")
 
-    def _calibrated(self, c: Candidate) -> Decision:
-        measure = "decide='measure' times it"
+    def _calibrated(self, c: Candidate, now: str, timed: bool = True) -> Decision:
+        measure = "decide='measure' times it" if timed else f"{c.kind} has no compile-time timing either"
         cal = self.calibration
         if cal is None:
             return Decision(False, f"cost model: no calibration for {self.target.card} "
@@ -278,7 +295,6 @@ class CostModel:
         if table is None:
             return Decision(False, f"cost model: no calibrated win over Inductor for {c.kind} in "
                                    f"{str(c.dtype).replace('torch.', '')} on {cal.card}; {measure}")
-        now = source_hash(c.source)
         if table["source"] != now:
             return Decision(False, f"cost model: {c.kind} on {cal.card} was calibrated with kernel source "
                                    f"{table['source']}, which is now {now}; python -m benchmarks.calibrate measures "
@@ -294,7 +310,11 @@ class CostModel:
         why = (f"cost model: {speedup:.2f}x over Inductor's device time measured on {cal.card} at M,K,N={M},{K},{N}, "
                f"the nearest calibrated shape ({cal.provenance(point)})")
         host = None if self.cudagraphs else cal.host_us(c.entry)
-        if host is not None and c.gemm_ns and cal.data.get("ceilings"):
+        if not self.cudagraphs and c.gemm_ns and (host is None or not cal.data.get("ceilings")):
+            return Decision(False, f"{why}; but issued without CUDA graphs, and {cal.card}'s file has no host times "
+                                   f"for {c.kind} (or no ceilings) to weigh them: python -m benchmarks.calibrate "
+                                   f"--tables host,ceilings; {measure}")
+        if host is not None and c.gemm_ns:
             theirs_device = self._inductor_device_us(cal, c)
             ours_host, their_host = host[c.form], host["inductor"]
             ours_device = theirs_device / speedup

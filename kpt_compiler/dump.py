@@ -190,6 +190,20 @@ if __name__ == "__main__":
 _UNBACKED = 2
 
 
+def _imports(gm: fx.GraphModule) -> str:
+    """Import lines for the functions the graph calls by a global name that is not torch's (a pass's
+    replacement such as merged_linear, a kernel's Python entry such as add_layer_norm)."""
+    lines = []
+    for name, obj in gm.graph.python_code(root_module="self").globals.items():
+        module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+        if not module or module.split(".")[0] in ("torch", "builtins") or "." in qualname or "<" in qualname:
+            continue
+        if not isinstance(obj, type) and not callable(obj):
+            continue
+        lines.append(f"from {module} import {qualname} as {name}  # noqa: F401")
+    return "\n".join(lines) + "\n\n" if lines else ""
+
+
 def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) -> str:
     """The graph as a Python file that defines its module and, run as a script, runs it on random inputs."""
     code = code if code is not None else graph_utils.readable_code(gm)
@@ -211,7 +225,7 @@ def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) ->
             attrs[node.target] = ("module", node.target)
         elif isinstance(obj, torch.Tensor):
             attrs[node.target] = graph_utils.input_spec(obj, _UNBACKED)
-    return header + _PREAMBLE + code + _MAIN.format(inputs=inputs, attrs=attrs, cls=cls)
+    return header + _PREAMBLE + _imports(gm) + code + _MAIN.format(inputs=inputs, attrs=attrs, cls=cls)
 
 
 def _write_json(path: str, data: Any) -> None:

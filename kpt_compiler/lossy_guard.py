@@ -18,6 +18,10 @@ The graph's figure is the lowest over its outputs. At or over the bound, every r
 The figures go into the pass's record (``error_db``, ``error_bound_db``, ``backed_out``), the report and
 ``index.html``. Runs are seeded identically (dropout draws the same masks) and do not record gradients;
 tensors a mutating graph would change are cloned first.
+
+The reference is the graph before any pass of the stage, so the figure is the lossy pass's error on top of
+what the exact passes before it changed (the order of floating-point sums, one rounding instead of several):
+small against any bound worth stating, but counted.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ __all__ = ["sqnr_db", "LossyGuard"]
 def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
     """The signal-to-noise ratio of ``out`` against ``ref`` in dB (see the module docstring). Where ``ref`` is
     not finite, ``out`` must equal it (NaN where NaN); where it is, ``out`` must be finite too, else -inf."""
+    if ref.is_complex():
+        ref, out = torch.view_as_real(ref.resolve_conj()), torch.view_as_real(out.resolve_conj())
     ref64, out64 = ref.detach().to(torch.float64).cpu(), out.detach().to(torch.float64).cpu()
     bad = ~torch.isfinite(ref64)
     if bad.any():
@@ -83,7 +89,8 @@ def run_graph(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
     mutates = _mutates(gm)
     args = [x.clone() if isinstance(x, torch.Tensor) and (mutates or not isinstance(x, torch.nn.Parameter)) else x
             for x in inputs]
-    devices = sorted({x.device.index or 0 for x in args if isinstance(x, torch.Tensor) and x.is_cuda})
+    # every CUDA device's generator is seeded below, so every one is saved and restored
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(0)
         return fx.Interpreter(gm).run(*args)

@@ -166,13 +166,19 @@ class CompileOptions:
             if _pass_name(name) not in known:
                 raise unknown_key_error(name, known, "options['disable'] (pass and group names)")
         if self.pipeline is not None:
-            seen = set()
+            groups = registered_groups()
+            seen: dict[str, str] = {}  # pass name -> the entry of the pipeline that named it
             for name in self.pipeline:
                 if _pass_name(name) not in known:
                     raise unknown_key_error(name, known, "options['pipeline'] (pass and group names)")
-                if _pass_name(name) in seen:
-                    raise OptionError(f"options['pipeline'] names pass {name!r} twice")
-                seen.add(_pass_name(name))
+                group = groups.get(_pass_name(name))
+                for member in group.members if group else (_pass_name(name),):
+                    if member in seen:
+                        twice = f"pass {name!r}" if seen[member] == name else \
+                            f"pass {member!r} twice (through {seen[member]!r} and {name!r})"
+                        raise OptionError(f"options['pipeline'] names {twice}" if seen[member] != name
+                                          else f"options['pipeline'] names {twice} twice")
+                    seen[member] = name
         if self.inductor:
             from torch._inductor import config as inductor_config
 

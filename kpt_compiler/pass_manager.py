@@ -127,8 +127,11 @@ class PassManager:
         passes = [spec for spec in self.pipeline if spec.stage == stage]
         inputs = _Once(lambda: self.example_inputs if stage == "pre_aot" else graph_utils.random_inputs(gm))
         guard = None
-        if any(spec.lossy and self._enabled(spec) for spec in passes):
-            guard = LossyGuard(gm, inputs())  # the unmodified graph's outputs, before any pass of the stage
+        if any(s.lossy and self._enabled(s) for s in passes):  # the unmodified graph's outputs, before any pass
+            try:
+                guard = LossyGuard(gm, inputs())
+            except Exception as e:  # noqa: BLE001 - each lossy pass steps aside with it (see _guarded)
+                guard = e
         for spec in passes:
             rec, code, before = self._run_pass(spec, gm, stage, is_inference, code, inputs, guard)
             record.passes.append(rec)
@@ -182,7 +185,7 @@ class PassManager:
         try:
             changed, ctx = attempt(None)
             if spec.lossy and guard is not None and changed:
-                changed, ctx = guard.check(spec, spec.bound_db(ctx.options), gm, snap, ctx, attempt, rec)
+                changed, ctx = _guarded(guard, spec, gm, snap, ctx, attempt, rec)
         except PassSkipped as e:
             rec.time_ms = (time.perf_counter() - start) * 1e3
             graph_utils.restore(gm, snap)
@@ -239,9 +242,9 @@ class PassManager:
     def run_wrap_stage(self, compiled: Callable, gm: fx.GraphModule, is_inference: bool) -> Callable:
         """Give the compiled callable to each ``wrap`` pass in turn; each may return a wrapper (applied) or None.
 
-        A wrapper is called as the callable it wraps is: where that one takes its inputs as one list
-        (``_boxed_call``, as AOTAutograd's callables do), the wrapper is marked so too. A wrap pass that raises
-        is reported as failed and the callable it got goes on unwrapped (``strict=True`` raises instead).
+        The emitters' callables take the graph's inputs as positional arguments (Dynamo calls them so), and so
+        must a wrapper. A wrap pass that raises is reported as failed and the callable it got goes on unwrapped
+        (``strict=True`` raises instead).
         """
         passes = [spec for spec in self.pipeline if spec.stage == "wrap"]
         if not any(self.options.pass_enabled(spec.name) for spec in passes):
@@ -270,13 +273,21 @@ class PassManager:
             rec.stats, rec.notes = dict(ctx.stats), list(ctx.notes)
             rec.matches = ctx.stats.get("matches", 0)
             if wrapped is not None and wrapped is not compiled:
-                if getattr(compiled, "_boxed_call", False) and not hasattr(wrapped, "_boxed_call"):
-                    wrapped._boxed_call = True
                 compiled, rec.status = wrapped, "applied"
         record.time_ms = (time.perf_counter() - start) * 1e3
         if self.dump is not None:
             self.dump.wrap_stage(self.report, record)
         return compiled
+
+
+def _guarded(guard: LossyGuard | Exception, spec: GraphPass, gm, snap, ctx, attempt, rec):
+    """The lossy guard's check. Where the guard could not measure (the reference run failed: out of memory, an
+    op that fails on random inputs, a size known only at run time), the pass steps aside: unmeasured, its
+    rewrite would change results silently."""
+    if isinstance(guard, Exception):
+        raise PassSkipped(f"the lossy guard could not run the unmodified graph to measure this pass's error "
+                          f"({type(guard).__name__}: {str(guard)[:200]})")
+    return guard.check(spec, spec.bound_db(ctx.options), gm, snap, ctx, attempt, rec)
 
 
 class _Once:

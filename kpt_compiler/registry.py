@@ -164,7 +164,8 @@ class GraphPass:
         """The error bound this pass holds to with these options (lossy passes only)."""
         if not self.lossy:
             return None
-        return float(getattr(options, "error_bound_db", None) or self.error_bound_db)
+        given = getattr(options, "error_bound_db", None)
+        return float(self.error_bound_db if given is None else given)
 
 
 @dataclasses.dataclass(frozen=True)

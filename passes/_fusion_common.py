@@ -166,7 +166,8 @@ def ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes
     candidate = Candidate(kind, n, shapes, v.dtype, source, table=table, mkn=mkn,
                           form="triton" if triton_form(ctx) else "inference", gemm_ns=gemm_ns,
                           unfused_kernels=unfused_kernels, ours=ours() if measuring and ours else None,
-                          baseline_ms=baseline_ms if measuring else None)
+                          baseline_ms=baseline_ms if measuring else None,
+                          timeable=ours is not None and baseline_ms is not None)
     cost_model = ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)
     d = cost_model.decide(how, candidate)
     if not d.rewrite:
@@ -174,6 +175,16 @@ def ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes
     else:
         ctx.note(f"{node.name}: {kind} {n}x{shapes} ({d.why})")
     return d.rewrite
+
+
+def bytes_baseline(device, nbytes: int) -> Callable[[], float]:
+    """Inductor at its best on a memory-bound kernel, for ``decide="measure"``: its bytes at this card's copy
+    bandwidth."""
+    def ms():
+        from kpt_compiler.bench import copy_bandwidth
+
+        return nbytes / (copy_bandwidth(device=device.type) * 1e12) * 1e3
+    return ms
 
 
 def gemm_baseline(device, n: int, K: int, Ns: list[int], dtype, epilogue_bytes: int) -> Callable[[], float]:

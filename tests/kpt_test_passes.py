@@ -177,3 +177,22 @@ def count_calls(compiled, ctx):
 @graph_pass("test-wrap-raise", summary="a wrap pass that fails", stage="wrap", default=False)
 def wrap_and_raise(compiled, ctx):
     raise RuntimeError("test-wrap-raise: failing on purpose")
+
+
+BOUND_CALLS: list[int] = []
+
+
+class _Runner:
+    def __init__(self, compiled):
+        self.compiled, self.calls = compiled, 0
+
+    def run(self, *args):
+        self.calls += 1
+        BOUND_CALLS.append(self.calls)
+        return self.compiled(*args)
+
+
+@graph_pass("test-wrap-bound-method", summary="wraps the compiled callable in a bound method", stage="wrap",
+            default=False)
+def wrap_in_bound_method(compiled, ctx):
+    return _Runner(compiled).run

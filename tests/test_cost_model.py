@@ -143,7 +143,7 @@ def test_measured_decisions_are_cached_per_card_and_source(calibrated, monkeypat
     model = cm.CostModel(H100)
     c = gemm(M=4096, K=4096, N=14336)  # far from every calibrated shape: the table declines
     assert not model.decide("auto", c).rewrite
-    cm._store(model._key(c), {"rewrite": True, "ours_ms": 0.01, "inductor_ms": 0.02})  # as "measure" leaves it
+    cm._store(model._key(c, cm.source_hash(c.source)), {"rewrite": True, "ours_ms": 0.01, "inductor_ms": 0.02})  # as "measure" leaves it
     d = model.decide("auto", c)
     assert d.rewrite and "measured earlier" in d.why
     assert not cm.CostModel(A100).decide("auto", c).rewrite  # another card: not its measurement
@@ -189,3 +189,14 @@ def test_the_committed_h100_file_is_used_on_an_h100_and_no_other_card(monkeypatc
     assert cm.CostModel(H100).calibration.card == H100.card
     d = cm.CostModel(A100).decide("auto", gemm())
     assert not d.rewrite and "no calibration for NVIDIA A100-SXM4-80GB (sm_80)" in d.why, d.why
+
+
+def test_without_host_times_a_card_declines_where_no_cuda_graph_replays_the_calls(tmp_path, monkeypatch):
+    """A file measured with --tables gated_linear alone: device time speaks under CUDA graphs, and where host
+    time would count the answer is no, with the command that measures it."""
+    monkeypatch.setenv("KPT_CALIBRATION_DIR", str(tmp_path))
+    _write(tmp_path, tables={"gated_linear": (gated_linear, _points((128, 1024, 2816, 1.41)))})
+    c = gemm(M=128, gemm_ns=[2816, 2816], unfused_kernels=3)
+    assert cm.CostModel(H100, "reduce-overhead").decide("auto", c).rewrite
+    d = cm.CostModel(H100, "default").decide("auto", c)
+    assert not d.rewrite and "no host times" in d.why and "--tables host,ceilings" in d.why, d.why

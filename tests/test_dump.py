@@ -83,6 +83,24 @@ def test_dumped_code_runs(tmp_path):
     assert "stage joint | after pass 'test-relu-to-clamp'" in text
 
 
+def test_dumped_code_runs_after_passes_that_call_our_functions(tmp_path):
+    """merge-parallel-linears emits its own merged_linear and fuse-add-norm a kernel's Python function: the
+    dumped graph imports them (it failed with a NameError where it named them as the graph's globals)."""
+    def block(x, wq, wk, r, w, b):
+        q, k = torch.nn.functional.linear(x, wq), torch.nn.functional.linear(x, wk)
+        return torch.nn.functional.layer_norm(q + r, (8,), w, b) + k
+
+    args = [torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8), torch.randn(4, 8), torch.randn(8), torch.randn(8)]
+    options = {"codegen": "eager", "dump_dir": str(tmp_path), "fusion": {"decide": "always", "epilogue": False}}
+    torch.compile(block, backend="kernelpytorch", options=options)(*args)
+    fired = kpt_compiler.last_report().fired()
+    assert "merge-parallel-linears" in fired and "fuse-add-norm" in fired, fired
+    for path in sorted((tmp_path / "graph_000" / "pre_aot").glob("0[1-9]_*.py")):
+        proc = subprocess.run([sys.executable, path.name], cwd=path.parent, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and "output 0:" in proc.stdout, (path.name, proc.stderr[-2000:])
+
+
 def test_index_html_shows_passes_and_pictures(tmp_path):
     _compile_with_dump(tmp_path, {"test_relu_to_clamp": True, "test_raise": True})
     page = (tmp_path / "index.html").read_text()

@@ -214,7 +214,10 @@ def test_each_rule_is_a_pass_of_its_own_and_the_group_switches_them_all():
     toggled = statuses({"fusion": {"decide": "always", "gated": False}})
     assert toggled["fuse-gated-linear"] == "disabled" and toggled["fuse-linear-epilogue"] == "applied", toggled
     assert kpt_compiler.last_report().options["fuse_linear_epilogue"] == {"decide": "always"}
-    # a member's own setting wins over its group's
+    # a member's own setting wins over its group's, on/off and options alike
+    opts = kpt_compiler.parse_options(None, {"fusion": {"decide": "measure"}, "fuse_gated_linear": {"decide": "always"}})
+    assert opts.pass_options("fuse-gated-linear").decide == "always"
+    assert opts.pass_options("fuse-linear-epilogue").decide == "measure"
     own = statuses({"fusion": False, "fuse_gated_linear": {"decide": "always"}})
     assert own["fuse-gated-linear"] == "applied" and own["fuse-linear-epilogue"] == "disabled", own
     text = kpt_compiler.describe_pipeline(kpt_compiler.parse_options(None, {"disable": ["fuse-gated-linear"]}))
@@ -226,6 +229,8 @@ def test_options_are_validated():
         _compile(lambda x: x + 1, {"fusion": {"decide": "sometimes"}})(torch.ones(2))
     with pytest.raises(kpt_compiler.OptionError, match=r"unknown option 'gatd' in options\['fusion'\].*'gated'"):
         kpt_compiler.parse_options(None, {"fusion": {"gatd": False}})
+    with pytest.raises(kpt_compiler.OptionError, match=r"names pass 'fuse-gated-linear' twice \(through 'fusion'"):
+        kpt_compiler.parse_options(None, {"pipeline": ["fusion", "fuse-gated-linear"]})
     with pytest.raises(kpt_compiler.OptionError, match=r"'decide' in options\['fuse_add_norm'\]"):
         kpt_compiler.parse_options(None, {"fuse_add_norm": {"decide": 1}})
 

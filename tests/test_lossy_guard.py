@@ -122,3 +122,34 @@ def test_lossy_passes_declare_their_bound_and_stay_off_by_default():
         GraphPass("x-lossy", "s", "pre_aot", run, default=False, lossy=True)
     with pytest.raises(ValueError, match="off by default"):
         GraphPass("x-lossy", "s", "pre_aot", run, default=True, lossy=True, error_bound_db=20.0)
+
+
+def test_runs_are_seeded_alike_so_dropout_is_no_error():
+    """Dropout draws its masks from the generator: the unmodified and the rewritten graph must draw the same."""
+    a, b = _inputs()
+
+    def dropped(a):
+        return torch.tanh(torch.nn.functional.dropout(a, 0.5, training=True))
+
+    _out, rec = _run(dropped, (a,), {"test_lossy_round": {"step": 1e-4}})
+    assert rec.status == "applied" and rec.error_db > 60, rec
+
+
+def test_inputs_a_graph_mutates_are_cloned_for_the_guards_runs():
+    a, _b = _inputs()
+    x = a.clone()
+
+    def bump(x):
+        x.add_(1)
+        return torch.tanh(x)
+
+    out, rec = _run(bump, (x,), {"test_lossy_round": {"step": 1e-4}})
+    torch.testing.assert_close(x, a + 1)  # the call mutated it once; the guard's runs left it alone
+    assert rec.status == "applied" and rec.error_db > 60, rec
+    torch.testing.assert_close(out, torch.tanh(a + 1), atol=1e-4, rtol=0)
+
+
+def test_a_bound_of_zero_db_is_a_bound():
+    a, b = _inputs()
+    _out, rec = _run(two_outputs, (a, b), {"test_lossy_round": {"error_bound_db": 0.0}})
+    assert rec.error_bound_db == 0.0

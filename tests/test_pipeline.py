@@ -193,3 +193,12 @@ def test_no_wrap_stage_in_the_report_when_no_wrap_pass_is_on():
     _model, x, compiled = _eager_compile("mlp", {})
     compiled(x)
     assert "wrap" not in kpt_compiler.last_report().stages
+
+
+def test_a_wrap_pass_may_return_any_callable():
+    from kpt_test_passes import BOUND_CALLS
+
+    model, x, compiled = _eager_compile("mlp", {"test_wrap_bound_method": True})
+    torch.testing.assert_close(compiled(x), model(x))
+    assert kpt_compiler.last_report().pass_record("test-wrap-bound-method", "wrap").status == "applied"
+    assert BOUND_CALLS and BOUND_CALLS[-1] == 1
