@@ -115,16 +115,17 @@ def kernelpytorch(
     opts = parse_options(mode, options)
     target = detect_target(example_inputs, opts.device)
     codegen = _choose_codegen(opts, target)
-    graph_report = report_mod._new_report(
-        compile_id=_compile_id(), codegen=codegen, target=target.to_dict(), options=opts.to_dict()
-    )
     dump = None
     if opts.dump_dir:
         from .dump import DumpWriter
 
         dump = DumpWriter.for_dir(opts.dump_dir)
+    graph_report = report_mod._new_report(
+        compile_id=_compile_id(), codegen=codegen, target=target.to_dict(), options=opts.to_dict()
+    )
     pm = PassManager(opts, target, graph_report, dump=dump, codegen=codegen, example_inputs=example_inputs)
     pm.check_requested_passes()
+    report_mod._publish(graph_report)
     if dump is not None:
         dump.begin_graph(graph_report, describe_pipeline(opts, target))
     original = graph_utils.snapshot(gm)

@@ -29,7 +29,9 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 
 ENV_DUMP_DIR = "KPT_DUMP_DIR"  # sets dump_dir when the options do not
 ENV_DISABLE = "KPT_DISABLE"  # comma-separated pass names to switch off, for bisecting without editing code
-ENV_STRICT = "KPT_STRICT"  # "1": a failing pass raises instead of stepping aside
+ENV_STRICT = "KPT_STRICT"  # 1/true/yes/on: a failing pass raises instead of stepping aside (0/false/no/off: not)
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_MISSING = object()
 
 
 def _closest(key: str, valid: list[str]) -> str:
@@ -159,12 +161,18 @@ class CompileOptions:
     pipeline: tuple[str, ...] | None = None
     inductor: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     passes: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    # names from the KPT_DISABLE environment variable (not an option: it switches passes off without editing the
+    # code that compiles, to bisect; it wins over the options, and the report says it did)
+    env_disable: tuple[str, ...] = ()
 
     def __post_init__(self):
         known = list(registered_passes()) + list(registered_groups())
         for name in self.disable:
             if _pass_name(name) not in known:
                 raise unknown_key_error(name, known, "options['disable'] (pass and group names)")
+        for name in self.env_disable:
+            if _pass_name(name) not in known:
+                raise unknown_key_error(name, known, f"the environment variable {ENV_DISABLE} (pass and group names)")
         if self.pipeline is not None:
             groups = registered_groups()
             seen: dict[str, str] = {}  # pass name -> the entry of the pipeline that named it
@@ -183,18 +191,21 @@ class CompileOptions:
             from torch._inductor import config as inductor_config
 
             valid = list(inductor_config.get_config_copy())
-            for key in self.inductor:
+            for key, value in self.inductor.items():
                 if key not in valid:
                     raise unknown_key_error(key, valid, "options['inductor'] (torch._inductor.config)")
+                _check_inductor_value(inductor_config, key, value)
 
     # ------------------------------------------------------------------ queries the pipeline asks
     def pass_enabled(self, name: str) -> bool:
         return self.passes[name].enabled and not self.disabled_by_name(name)
 
     def disabled_by_name(self, name: str) -> bool:
-        """Whether ``disable`` names the pass or a group it belongs to."""
-        off = {_pass_name(n) for n in self.disable}
-        return name in off or any(g in off and name in group.members for g, group in registered_groups().items())
+        """Whether ``disable`` (or KPT_DISABLE) names the pass or a group it belongs to."""
+        return name in _expand({_pass_name(n) for n in (*self.disable, *self.env_disable)})
+
+    def disabled_by_env(self, name: str) -> bool:
+        return name in _expand({_pass_name(n) for n in self.env_disable})
 
     def pass_options(self, name: str) -> Any:
         return self.passes[name].options
@@ -202,7 +213,7 @@ class CompileOptions:
     def to_dict(self) -> dict[str, Any]:
         """A dict that ``parse_options(None, d)`` turns back into an equal object: passes appear only where the
         user set them or they differ from their default."""
-        out = {k: v for k, v in options_to_dict(self).items() if k != "passes"}
+        out = {k: v for k, v in options_to_dict(self).items() if k not in ("passes", "env_disable")}
         specs = registered_passes()
         for name, setting in self.passes.items():
             if not setting.explicit and setting.enabled == specs[name].default:
@@ -227,7 +238,44 @@ def _pass_name(key: str) -> str:
     return key.replace("_", "-")
 
 
-_TOP_LEVEL = [f.name for f in dataclasses.fields(CompileOptions) if f.name != "passes"]
+_TOP_LEVEL = [f.name for f in dataclasses.fields(CompileOptions) if f.name not in ("passes", "env_disable")]
+
+
+def _expand(names) -> set[str]:
+    """Pass names, with each group name standing for its members."""
+    groups = registered_groups()
+    out: set[str] = set()
+    for n in names:
+        out |= set(groups[n].members) if n in groups else {n}
+    return out
+
+
+def _env_flag(name: str) -> bool | None:
+    """A boolean environment variable in any of the usual spellings (None when unset); anything else is an error."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    value = raw.strip().lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise OptionError(f"the environment variable {name}={raw!r} must be one of {'/'.join(_TRUE)} or "
+                      f"{'/'.join(_FALSE)} (any case); unset it for the default")
+
+
+def _check_inductor_value(config, key: str, value: Any) -> None:
+    """options['inductor'][key] against the type torch._inductor.config declares for it (where it is one the
+    options' own checks understand: bools, numbers, strings, lists, unions of them)."""
+    entry = getattr(config, "_config", {}).get(key)
+    expected = getattr(entry, "value_type", None)
+    if expected is None:
+        return
+    try:
+        ok, _ = _coerce(value, expected)
+    except TypeError:  # a type isinstance cannot check (Callable, generics): Inductor checks it itself
+        return
+    if not ok:
+        raise OptionError(f"option {key!r} in options['inductor'] must be {_describe_type(expected)} (the type of "
+                          f"torch._inductor.config.{key}); got {value!r} ({type(value).__name__})")
 
 
 def parse_options(mode: str | None, options: Mapping[str, Any] | None) -> CompileOptions:
@@ -241,11 +289,10 @@ def parse_options(mode: str | None, options: Mapping[str, Any] | None) -> Compil
         options["mode"] = mode
     if ENV_DUMP_DIR in os.environ and "dump_dir" not in options:
         options["dump_dir"] = os.environ[ENV_DUMP_DIR] or None
-    if os.environ.get(ENV_STRICT) == "1" and "strict" not in options:
-        options["strict"] = True
-    if os.environ.get(ENV_DISABLE):
-        extra = [n.strip() for n in os.environ[ENV_DISABLE].split(",") if n.strip()]
-        options["disable"] = list(options.get("disable", ())) + extra
+    strict = _env_flag(ENV_STRICT)
+    if strict is not None and "strict" not in options:
+        options["strict"] = strict
+    env_disable = [n.strip() for n in os.environ.get(ENV_DISABLE, "").split(",") if n.strip()]
     if isinstance(options.get("pipeline"), str):
         options["pipeline"] = [n.strip() for n in options["pipeline"].split(",") if n.strip()]
 
@@ -266,8 +313,58 @@ def parse_options(mode: str | None, options: Mapping[str, Any] | None) -> Compil
     from_groups = {m: s for name, value in group_given.items() for m, s in _group_settings(groups[name], value).items()}
     passes: dict[str, PassSetting] = {}
     for name, spec in known.items():
-        passes[name] = _pass_setting(spec, pass_given.get(name), from_groups.get(name))
-    return build_options(CompileOptions, {**top, "passes": passes}, "options")
+        passes[name] = _pass_setting(spec, pass_given.get(name, _MISSING), from_groups.get(name))
+    _refuse_contradictions(top, passes, pass_given, from_groups)
+    _enable_the_named_pipeline(top, passes, pass_given, from_groups)
+    return build_options(CompileOptions, {**top, "passes": passes, "env_disable": env_disable}, "options")
+
+
+def _asked_by(name: str, pass_given: dict, from_groups: dict) -> str | None:
+    """The key under which the user switched a pass on or configured it (None: they did not)."""
+    value = pass_given.get(name, _MISSING)
+    if value is True or isinstance(value, Mapping):
+        return name.replace("-", "_")
+    group = from_groups.get(name)
+    return group.key if group is not None and group.enabled else None
+
+
+def _turned_off_by(name: str, pass_given: dict, from_groups: dict) -> str | None:
+    """The key under which the user switched a pass off (None: they did not)."""
+    if pass_given.get(name, _MISSING) is False:
+        return name.replace("-", "_")
+    group = from_groups.get(name)
+    return group.key if group is not None and group.enabled is False and name not in pass_given else None
+
+
+def _refuse_contradictions(top: dict, passes: dict, pass_given: dict, from_groups: dict) -> None:
+    """A pass both asked for and switched off is a contradiction: refuse it, naming both keys."""
+    disabled = [d for d in top.get("disable") or () if isinstance(d, str)]
+    named = [p for p in top.get("pipeline") or () if isinstance(p, str)]
+    for entry in disabled:
+        for name in sorted(_expand({_pass_name(entry)}) & set(passes)):
+            key = _asked_by(name, pass_given, from_groups)
+            if key is not None:
+                raise OptionError(f"options[{key!r}] asks for pass {name!r} and options['disable'] names "
+                                  f"{entry!r}: give one of them")
+            for p in named:
+                if name in _expand({_pass_name(p)}):
+                    raise OptionError(f"options['pipeline'] names {p!r} and options['disable'] names {entry!r}, "
+                                      f"which both cover pass {name!r}: give one of them")
+
+
+def _enable_the_named_pipeline(top: dict, passes: dict, pass_given: dict, from_groups: dict) -> None:
+    """``pipeline`` runs exactly the passes it names: one off by default is switched on (as if asked for), one
+    the options switch off is a contradiction."""
+    for entry in [p for p in top.get("pipeline") or () if isinstance(p, str)]:
+        for name in sorted(_expand({_pass_name(entry)}) & set(passes)):
+            setting = passes[name]
+            if setting.enabled:
+                continue
+            key = _turned_off_by(name, pass_given, from_groups)
+            if key is not None:
+                raise OptionError(f"options['pipeline'] names {entry!r} and options[{key!r}] switches pass "
+                                  f"{name!r} off: give one of them")
+            passes[name] = dataclasses.replace(setting, enabled=True, explicit=True, key="pipeline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +378,6 @@ class _FromGroup:
 
 def _group_settings(group, value: Any) -> dict[str, _FromGroup]:
     where = f"options[{group.key!r}]"
-    if value is None:
-        return {}
     if isinstance(value, bool):
         return {m: _FromGroup(value, {}, group.key) for m in group.members}
     if not isinstance(value, Mapping):
@@ -299,10 +394,10 @@ def _pass_setting(spec, value: Any, group: _FromGroup | None) -> PassSetting:
     where = f"options[{spec.key!r}]"
     fields = {f.name for f in dataclasses.fields(spec.options)}
     shared = {k: v for k, v in group.shared.items() if k in fields} if group else {}
-    if value is None and group is None:
+    if value is _MISSING and group is None:
         return PassSetting(spec.default, build_options(spec.options, {}, where))
     # a pass switched off keeps its default options (what it would run with says nothing, and to_dict drops it)
-    if value is None:
+    if value is _MISSING:
         enabled = spec.default if group.enabled is None else group.enabled
         group_where = f"options[{group.key!r}] (for pass {spec.name!r})"
         return PassSetting(enabled, build_options(spec.options, shared if enabled else {}, group_where),

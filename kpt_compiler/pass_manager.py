@@ -157,7 +157,8 @@ class PassManager:
     def _skip_reason(self, spec: GraphPass, rec: PassRecord) -> bool:
         """Fill ``rec`` and say so when the pass does not run at all (switched off, or not for this target)."""
         if not self.options.pass_enabled(spec.name):
-            rec.status, rec.reason = "disabled", "switched off by the options"
+            by_env = self.options.disabled_by_env(spec.name)
+            rec.status, rec.reason = "disabled", "switched off by KPT_DISABLE" if by_env else "switched off by the options"
             return True
         reason = spec.unsupported_reason(self.target, self.options.pass_options(spec.name))
         if reason:

@@ -176,8 +176,14 @@ _REPORTS: list[GraphReport] = []
 
 
 def _new_report(**kwargs: Any) -> GraphReport:
+    """A report for a compile that is about to start; ``_publish`` adds it to ``reports()`` once the compile's
+    options and target have passed their checks (a refused compile leaves no empty report behind)."""
+    return GraphReport(index=-1, **kwargs)
+
+
+def _publish(report: GraphReport) -> GraphReport:
     with _lock:
-        report = GraphReport(index=len(_REPORTS), **kwargs)
+        report.index = len(_REPORTS)
         _REPORTS.append(report)
         return report
 

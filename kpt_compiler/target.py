@@ -96,20 +96,24 @@ def detect_target(example_inputs: Sequence[Any], asked: str = "auto") -> Target:
         raise OptionError(
             f"kernelpytorch compiles for cuda, cpu and xla; this graph's inputs are on {sorted(types)}"
         )
-    if asked != "auto" and asked != found and devices:
-        raise OptionError(
-            f"options['device']={asked!r}, but the graph's inputs are on {found!r}: move the model and its inputs "
-            f"to {asked!r} (for example model.to({asked!r})), or leave device='auto'"
-        )
+    # what is missing first: moving the inputs to a device this machine lacks would not help
     if asked == "cuda" and not torch.cuda.is_available():
-        raise OptionError("options['device']='cuda', but torch sees no CUDA device here; use device='cpu' or 'auto'")
+        raise OptionError("options['device']='cuda', but torch sees no CUDA device here (torch.cuda.is_available() "
+                          f"is False; torch {torch.__version__}); use device='cpu' or 'auto'")
     if asked == "xla" or found == "xla":
         try:
             import torch_xla  # noqa: F401
         except ImportError as e:
             raise OptionError(
-                "options['device']='xla' needs torch_xla (pip install torch==2.9.0 torch_xla==2.9.0)"
+                "options['device']='xla' needs torch_xla, which is not installed here (pip install torch==2.9.0 "
+                "torch_xla==2.9.0 in an environment of its own: torch_xla 2.9 works only with torch 2.9)"
             ) from e
+    if asked != "auto" and asked != found and devices:
+        raise OptionError(
+            f"options['device']={asked!r}, but the graph's inputs are on {found!r}: move the model and its inputs "
+            f"to {asked!r} (for example model.to({asked!r})), or leave device='auto'"
+        )
+    if found == "xla" or asked == "xla":
         return Target(device="xla", name="xla")
     if found == "cuda" or asked == "cuda":
         index = next((d.index for d in devices if d.type == "cuda" and d.index is not None), None)

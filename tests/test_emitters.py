@@ -1,5 +1,7 @@
 """How the emitters are configured: Inductor modes, user Inductor options, hook chaining; device checks."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -63,8 +65,16 @@ def test_hooks_chain_a_custom_pass_the_user_installed():
 def test_target_from_inputs():
     assert detect_target([torch.randn(2), 3]).device == "cpu"
     assert detect_target([]).device == "cpu"
-    with pytest.raises(OptionError, match="options\\['device'\\]='xla'.*inputs are on 'cpu'"):
+    has_xla = importlib.util.find_spec("torch_xla") is not None
+    xla = "inputs are on 'cpu'" if has_xla else "needs torch_xla, which is not installed here"
+    with pytest.raises(OptionError, match=f"options\\['device'\\]='xla'.*{xla}"):
         detect_target([torch.randn(2)], "xla")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_asking_for_cuda_without_it_says_what_is_missing():
+    with pytest.raises(OptionError, match=r"options\['device'\]='cuda', but torch sees no CUDA device here"):
+        detect_target([torch.randn(2)], "cuda")
 
 
 def test_target_capabilities():

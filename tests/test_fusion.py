@@ -207,7 +207,7 @@ def test_each_rule_is_a_pass_of_its_own_and_the_group_switches_them_all():
     assert list(statuses({})) == list(FUSION)  # on by default, each its own record, in the pipeline's order
     assert set(statuses({"fusion": False}).values()) == {"disabled"}
     assert set(statuses({"disable": ["fusion"]}).values()) == {"disabled"}
-    one_off = statuses({**ALWAYS, "disable": ["fuse-gated-linear"]})
+    one_off = statuses({"fuse_linear_epilogue": {"decide": "always"}, "disable": ["fuse-gated-linear"]})
     assert one_off.pop("fuse-gated-linear") == "disabled" and one_off["fuse-linear-epilogue"] == "applied", one_off
     assert "disabled" not in one_off.values()
     # the group's switches and options reach its members
@@ -319,3 +319,29 @@ def test_conv_bn_is_left_to_inductor():
     assert not fold_conv_bn._fold(gm, bn, types.SimpleNamespace(codegen="inductor", near_miss=misses.append), "auto")
     assert len(misses) == 1 and "left to Inductor" in misses[0], misses
     assert bn.users and bn.args[0].target is F.conv2d  # the graph is untouched (the fold itself: tests above)
+
+
+def test_a_fused_op_that_will_run_its_reference_says_so():
+    """float64 is no dtype of the GEMM kernels: decide='always' still rewrites, and the report says the op will
+    run its eager reference (not our kernel); in float32 (the interpreter runs the kernel here) it says nothing."""
+    def mlp(x, wg, wu):
+        return F.silu(F.linear(x, wg)) * F.linear(x, wu)
+
+    def notes(dtype):
+        torch._dynamo.reset()
+        x, wg, wu = (t.to(dtype) for t in (_randn(M, K), _randn(N, K, seed=1), _randn(N, K, seed=2)))
+        _compile(mlp)(x, wg, wu)
+        rec = kpt_compiler.last_report().pass_record("fuse-gated-linear")
+        assert rec.matches == 1, rec.notes
+        return [n for n in rec.notes if "eager reference" in n]
+
+    from kpt_compiler.kernels._gemm_common import GEMM_DTYPES
+    from kpt_compiler.kernels._launch import HAVE_TRITON, kernel_runs
+
+    (said,) = notes(torch.float64)
+    assert ("the kernel takes float16, bfloat16, float32, not float64" if HAVE_TRITON else
+            "triton is not installed") in said, said
+    # float32: as the kernel itself dispatches here (torch 2.9's environment: triton 3.5, whose interpreter
+    # cannot run the GEMM kernels, says so)
+    runs = kernel_runs(torch.empty(1), GEMM_DTYPES, needs_3_6_interpreter=True)
+    assert (notes(torch.float32) == []) == runs

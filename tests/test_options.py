@@ -65,8 +65,8 @@ def test_pass_switches_and_options():
     opts = parse_options(None, {"test_scale_outputs": {"factor": 3}, "test-relu-to-clamp": True})
     assert opts.pass_enabled("test-scale-outputs") and opts.pass_options("test-scale-outputs").factor == 3.0
     assert opts.pass_enabled("test-relu-to-clamp") and opts.passes["test-relu-to-clamp"].explicit
-    off = parse_options(None, {"test_relu_to_clamp": True, "disable": ["test_relu_to_clamp"]})
-    assert not off.pass_enabled("test-relu-to-clamp")
+    off = parse_options(None, {"disable": ["attention"]})
+    assert not off.pass_enabled("attention") and parse_options(None, {}).pass_enabled("attention")
 
 
 def test_disable_and_pipeline_name_passes_that_exist():
@@ -127,7 +127,10 @@ def test_modes_that_need_inductor_are_refused_with_eager_codegen():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_device_that_is_not_there():
-    with pytest.raises(Exception, match=r"options\['device'\]='cuda', but the graph's inputs are on 'cpu'"):
+    """Without CUDA the error says so (moving the inputs would not help); with it, that the inputs are elsewhere."""
+    expected = "but the graph's inputs are on 'cpu'" if torch.cuda.is_available() else \
+        "but torch sees no CUDA device here"
+    with pytest.raises(OptionError, match=rf"options\['device'\]='cuda', {expected}"):
         _compile_and_run({"device": "cuda", "codegen": "eager"})
 
 
@@ -164,3 +167,66 @@ def test_pass_declarations_are_checked():
         GraphPass(name="x", summary="", stage="late", run=lambda gm, ctx: False)
     with pytest.raises(ValueError, match="lossy, so it must be off by default"):
         GraphPass(name="x", summary="", stage="joint", run=lambda gm, ctx: False, lossy=True)
+
+
+@pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), ("TRUE", True), (" yes ", True), ("On", True),
+                                           ("0", False), ("false", False), ("No", False), ("off", False)])
+def test_kpt_strict_takes_the_usual_spellings(monkeypatch, raw, expected):
+    monkeypatch.setenv("KPT_STRICT", raw)
+    assert parse_options(None, None).strict is expected
+    assert parse_options(None, {"strict": not expected}).strict is (not expected)  # the options win
+
+
+def test_kpt_strict_refuses_anything_else(monkeypatch):
+    monkeypatch.setenv("KPT_STRICT", "sometimes")
+    with pytest.raises(OptionError, match=r"KPT_STRICT='sometimes' must be one of 1/true/yes/on or 0/false/no/off"):
+        parse_options(None, None)
+
+
+def test_pipeline_runs_exactly_the_passes_it_names():
+    opts = parse_options(None, {"pipeline": ["test-relu-to-clamp"]})  # off by default
+    assert opts.pass_enabled("test-relu-to-clamp")
+    model, x = make("mlp")
+    torch.compile(model, backend="kernelpytorch", options={"codegen": "eager", "pipeline": "test-relu-to-clamp"})(x)
+    assert kpt_compiler.last_report().pass_record("test-relu-to-clamp").status == "applied"
+    with pytest.raises(OptionError, match=r"options\['pipeline'\] names 'test-relu-to-clamp' and "
+                                          r"options\['test_relu_to_clamp'\] switches pass 'test-relu-to-clamp' off"):
+        parse_options(None, {"pipeline": ["test-relu-to-clamp"], "test_relu_to_clamp": False})
+    with pytest.raises(OptionError, match=r"options\['pipeline'\] names 'fusion' and options\['fusion'\] switches"):
+        parse_options(None, {"pipeline": ["fusion"], "fusion": False})
+
+
+@pytest.mark.parametrize("options, pattern", [
+    ({"test_scale_outputs": {"factor": 3}, "disable": ["test-scale-outputs"]},
+     r"options\['test_scale_outputs'\] asks for pass 'test-scale-outputs' and options\['disable'\] names"),
+    ({"test_relu_to_clamp": True, "disable": ["test_relu_to_clamp"]}, r"options\['test_relu_to_clamp'\] asks for"),
+    ({"fusion": {"decide": "always"}, "disable": ["fuse-gated-linear"]},
+     r"options\['fusion'\] asks for pass 'fuse-gated-linear' and options\['disable'\] names 'fuse-gated-linear'"),
+    ({"pipeline": ["test-skip"], "disable": ["test-skip"]},
+     r"options\['pipeline'\] names 'test-skip' and options\['disable'\] names 'test-skip'"),
+])
+def test_contradictions_are_refused_naming_both_keys(options, pattern):
+    with pytest.raises(OptionError, match=pattern):
+        parse_options(None, options)
+
+
+@pytest.mark.parametrize("key", ["attention", "fusion", "fuse_gated_linear"])
+def test_none_is_not_a_setting(key):
+    with pytest.raises(OptionError, match=rf"option '{key}' must be True, False or a dict .*got None"):
+        parse_options(None, {key: None})
+
+
+def test_inductor_values_are_checked_against_the_config_type():
+    with pytest.raises(OptionError, match=r"option 'max_autotune' in options\['inductor'\] must be bool \(the type "
+                                          r"of torch._inductor.config.max_autotune\); got 'yes' \(str\)"):
+        parse_options(None, {"inductor": {"max_autotune": "yes"}})
+    with pytest.raises(OptionError, match=r"'cpp.threads' in options\['inductor'\] must be int"):
+        parse_options(None, {"inductor": {"cpp.threads": 2.5}})
+    assert parse_options(None, {"inductor": {"max_autotune": True, "cpp.threads": 2}}).inductor["cpp.threads"] == 2
+
+
+def test_an_option_error_reaches_the_user_as_itself():
+    """Dynamo wraps a backend's errors in BackendCompilerFailed; ours pass through as OptionError."""
+    compiled = torch.compile(lambda x: x + 1, backend="kernelpytorch", options={"dump_dri": "x"})
+    with pytest.raises(OptionError, match=r"^unknown option 'dump_dri' in options; did you mean 'dump_dir'"):
+        compiled(torch.ones(2))
