@@ -14,7 +14,10 @@ Layout under ``dump_dir`` (set by options["dump_dir"] or the KPT_DUMP_DIR enviro
             passes.json           every pass of the stage: status, matches, time, op counts before/after
 
 A dump folder holds one process's compiles: the first compile that writes to it removes what an earlier
-process left there (only the files and folders named above).
+process left there (only the files and folders named above). A folder that holds files kernelpytorch did not
+write (no ``.kernelpytorch-dump`` marker) is refused rather than written into: a ``summary.json`` there is not
+ours to replace. A ``dump_dir`` that is a file, or cannot be created or written, is an ``OptionError`` that
+names it, before anything is compiled.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from . import graph_utils
+from .errors import OptionError
 from .report import GraphReport, PassRecord, StageRecord
 
 __all__ = ["DumpWriter", "runnable_source"]
@@ -51,7 +55,22 @@ class DumpWriter:
     def __init__(self, root: str):
         self.root = root
         self.graphs: list[GraphReport] = []
-        os.makedirs(root, exist_ok=True)
+        where = (f"dump_dir {root!r} (options['dump_dir'], or the KPT_DUMP_DIR environment variable where the "
+                 "options do not set it)")
+        if os.path.exists(root) and not os.path.isdir(root):
+            raise OptionError(f"{where} is a file, not a folder: give a folder to write the dump into")
+        try:
+            os.makedirs(root, exist_ok=True)
+            if not os.access(root, os.W_OK | os.X_OK):
+                raise PermissionError(13, "Permission denied")
+        except OSError as e:
+            raise OptionError(f"{where} cannot be written: {e.strerror or e}; give a folder this process can "
+                              "create and write") from e
+        foreign = [n for n in os.listdir(root) if n != _MARKER]
+        if foreign and not os.path.exists(os.path.join(root, _MARKER)):
+            raise OptionError(f"{where} already holds files kernelpytorch did not write ({', '.join(sorted(foreign)[:5])}"
+                              f"{', ...' if len(foreign) > 5 else ''}); give an empty or new folder, or one an "
+                              "earlier dump made")
         if os.path.exists(os.path.join(root, _MARKER)):
             for name in os.listdir(root):
                 if re.fullmatch(r"graph_\d{3,}", name):
@@ -145,8 +164,13 @@ class DumpWriter:
             f"# kernelpytorch dump | {report.folder} (compile id {report.compile_id}) | stage {stage.stage} | {what}\n"
             f"# torch {torch.__version__} | target {report.target.get('name')} | run: python {filename}\n"
         )
+        unbacked: list[str] = []
+        text = runnable_source(gm, header, code, unbacked)
+        if unbacked:
+            report.notes.append(f"{stage.folder}/{filename}: sizes known only at run time ({', '.join(unbacked)}) "
+                                f"are given {_UNBACKED} in its random inputs")
         with open(self._path(stage.folder, filename), "w") as f:
-            f.write(runnable_source(gm, header, code))
+            f.write(text)
 
 
 _PREAMBLE = """\
@@ -204,15 +228,28 @@ def _imports(gm: fx.GraphModule) -> str:
     return "\n".join(lines) + "\n\n" if lines else ""
 
 
-def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) -> str:
-    """The graph as a Python file that defines its module and, run as a script, runs it on random inputs."""
+def _spec(value: Any, name: str, unbacked: list[str]) -> tuple:
+    """``graph_utils.input_spec``, with a size known only at run time given ``_UNBACKED`` (and its input named)."""
+    try:
+        return graph_utils.input_spec(value)
+    except ValueError:
+        unbacked.append(name)
+        return graph_utils.input_spec(value, _UNBACKED)
+
+
+def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None,
+                    unbacked: list[str] | None = None) -> str:
+    """The graph as a Python file that defines its module and, run as a script, runs it on random inputs.
+    Inputs with sizes known only at run time get ``_UNBACKED`` there: their names are appended to ``unbacked``
+    and said in the file's header."""
+    unbacked = [] if unbacked is None else unbacked
     code = code if code is not None else graph_utils.readable_code(gm)
     match = re.match(r"class (\w+)\(", code)
     cls = match.group(1) if match else "GraphModule"
     inputs = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            inputs.append(graph_utils.input_spec(node.meta.get("val", node.meta.get("example_value")), _UNBACKED))
+            inputs.append(_spec(node.meta.get("val", node.meta.get("example_value")), node.name, unbacked))
     attrs: dict[str, tuple] = {}
     for node in gm.graph.nodes:
         if node.op != "get_attr":
@@ -224,7 +261,9 @@ def runnable_source(gm: fx.GraphModule, header: str, code: str | None = None) ->
         if isinstance(obj, fx.GraphModule):
             attrs[node.target] = ("module", node.target)
         elif isinstance(obj, torch.Tensor):
-            attrs[node.target] = graph_utils.input_spec(obj, _UNBACKED)
+            attrs[node.target] = _spec(obj, node.target, unbacked)
+    if unbacked:
+        header += f"# sizes known only at run time ({', '.join(unbacked)}) are given {_UNBACKED} in the random inputs\n"
     return header + _PREAMBLE + _imports(gm) + code + _MAIN.format(inputs=inputs, attrs=attrs, cls=cls)
 
 

@@ -130,3 +130,61 @@ def test_a_new_process_replaces_an_old_dump_but_nothing_else(tmp_path):
     assert (tmp_path / "graph_000").is_dir() and not (tmp_path / "graph_001").exists()
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert len(json.loads((tmp_path / "summary.json").read_text())["graphs"]) == 1
+
+
+def _compile_into(path):
+    return torch.compile(lambda x: x + 1, backend="kernelpytorch",
+                         options={"codegen": "eager", "dump_dir": str(path)})(torch.ones(2))
+
+
+def test_a_dump_dir_that_is_a_file_or_cannot_be_made_is_named(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    with pytest.raises(kpt_compiler.OptionError, match=rf"dump_dir '{afile}' \(options\['dump_dir'\], or the "
+                                                       r"KPT_DUMP_DIR .*\) is a file, not a folder"):
+        _compile_into(afile)
+    with pytest.raises(kpt_compiler.OptionError, match=rf"dump_dir '{afile}/sub' .* cannot be written"):
+        _compile_into(afile / "sub")
+    assert kpt_compiler.reports() == []  # a refused compile leaves no empty report behind
+
+
+def test_a_folder_with_files_that_are_not_ours_is_refused_and_left_alone(tmp_path):
+    (tmp_path / "summary.json").write_text('{"mine": true}')
+    with pytest.raises(kpt_compiler.OptionError, match=r"already holds files kernelpytorch did not write "
+                                                       r"\(summary.json\)"):
+        _compile_into(tmp_path)
+    assert (tmp_path / "summary.json").read_text() == '{"mine": true}'
+    assert kpt_compiler.reports() == []
+
+
+def test_the_after_file_and_the_after_picture_show_the_graph_after_the_pass(tmp_path):
+    """01_<pass>.py is the graph after the pass, 00_input.py the one before; in index.html the region's "after"
+    picture draws the new op (changed) and the "before" picture the old one."""
+    import re
+
+    _compile_with_dump(tmp_path, {"test_relu_to_clamp": True})
+    stage = tmp_path / "graph_000" / "joint"
+    before, after = (stage / "00_input.py").read_text(), (stage / "01_test-relu-to-clamp.py").read_text()
+    assert "aten.relu.default" in before and "aten.clamp_min.default" not in before
+    assert "aten.clamp_min.default" in after and "aten.relu.default" not in after
+    page = (tmp_path / "index.html").read_text()
+    pictures = re.findall(r'<div class="pic"><h4>region 1: (before|after)</h4>(.*?)</div>', page, re.S)
+    drawn = {side: re.findall(r'fill="([^"]+)" stroke="#57606a"/><text[^>]*>([^<]+)</text>', svg)
+             for side, svg in pictures}
+    changed = {side: {label.split()[0] for fill, label in boxes if fill != "#f6f8fa"} for side, boxes in drawn.items()}
+    assert "relu" in changed["before"] and "clamp_min" not in changed["before"], changed
+    assert "clamp_min" in changed["after"] and "relu" not in changed["after"], changed
+
+
+def test_a_size_known_only_at_run_time_is_said_where_the_dump_guesses_it():
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    shape_env = ShapeEnv()
+    u = shape_env.create_unbacked_symint()
+    with torch._subclasses.FakeTensorMode(shape_env=shape_env):
+        fake = torch.empty(u, 3)
+    gm = torch.fx.symbolic_trace(lambda x: x + 1)
+    next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"] = fake
+    unbacked: list[str] = []
+    text = dump_mod.runnable_source(gm, "# header\n", unbacked=unbacked)
+    assert unbacked == ["x"] and "# sizes known only at run time (x) are given 2 in the random inputs" in text
