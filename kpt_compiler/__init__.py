@@ -8,7 +8,19 @@ process that never imports it). ``last_report()`` says what the compiler did to 
 
 from __future__ import annotations
 
-from .backend import BACKEND_NAME, kernelpytorch
+import importlib.util as _importlib_util
+import os as _os
+
+# ``kpt_compiler.passes`` and ``kpt_compiler.kernels`` live in the repository's passes/ and kernels/ (a
+# package-dir mapping in pyproject.toml). An editable install maps them; an installed copy holds them. But
+# Python run from the repository root imports this source folder first, which after a plain `pip install .`
+# has neither and no mapping: there, let the package find them beside it, as the mapping says.
+_ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if _importlib_util.find_spec(f"{__name__}.passes") is None and all(
+        _os.path.isfile(_os.path.join(_ROOT, sub, "__init__.py")) for sub in ("passes", "kernels")):
+    __path__.append(_ROOT)  # noqa: F821 - the package's own __path__
+
+from .backend import BACKEND_NAME, kernelpytorch  # noqa: E402
 from .errors import OptionError, PassFailed, PassSkipped
 from .options import CompileOptions, parse_options
 from .pipeline import DEFAULT_PIPELINE, describe_pipeline

@@ -14,7 +14,7 @@ say "environment .venv: torch 2.13.0 (CPU), transformers, kernelpytorch"
 # torch first and pinned: a bare 'torch' requirement would fetch a CUDA build of several GB.
 .venv/bin/pip install -q torch==2.13.0
 # triton: the kernels run in its interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 there).
-.venv/bin/pip install -q -e ".[test]" transformers matplotlib triton==3.9.0
+.venv/bin/pip install -q -e ".[test,bench]" triton==3.9.0
 
 say "tests on torch 2.13"
 .venv/bin/python -m pytest -q -m "not gpu" "$@"
