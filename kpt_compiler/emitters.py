@@ -142,6 +142,7 @@ def _aot_emitter(pm: PassManager, finish: Callable[[fx.GraphModule, Sequence[Any
 def compile_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager) -> Callable:
     import functools
 
+    import torch._inductor.lowering  # noqa: F401 - some of the decompositions below use it (max_pool3d's does)
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
