@@ -178,11 +178,13 @@ def depends_on_inputs(node: fx.Node) -> bool:
     return any(n.op == "placeholder" for n in ancestors(node))
 
 
-def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26) -> torch.Tensor | None:
+def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26,
+             why: list[str] | None = None) -> torch.Tensor | None:
     """Compute ``node`` now, when it depends on no input (e.g. a mask built from arange); None otherwise.
 
     Runs the node's ancestors on real tensors outside Dynamo's fake mode. Returns None for values that depend
-    on inputs, that are larger than ``max_elements``, or whose computation fails.
+    on inputs, that are larger than ``max_elements``, or whose computation fails; for the last, the error is
+    appended to ``why`` (where given), so the caller can say why a value it expected stayed unknown.
     """
     if depends_on_inputs(node):
         return None
@@ -203,7 +205,9 @@ def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26) -> 
                     env[n] = getattr(self_, n.target)(*rest, **load(n.kwargs))
                 else:
                     return None
-    except Exception:  # noqa: BLE001 - unknown ops: the value stays unknown
+    except Exception as e:  # noqa: BLE001 - unknown ops: the value stays unknown, and the caller is told why
+        if why is not None:
+            why.append(f"{type(e).__name__}: {str(e)[:160]}")
         return None
     out = env[node]
     return out if isinstance(out, torch.Tensor) else None

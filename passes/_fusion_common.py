@@ -174,7 +174,33 @@ def ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes
         ctx.near_miss(f"{node.name}: {kind} not faster here ({d.why})")
     else:
         ctx.note(f"{node.name}: {kind} {n}x{shapes} ({d.why})")
+        fallback = reference_reason(ctx, v.dtype, norm=kind.startswith("add_"))
+        if fallback:
+            ctx.note(f"{node.name}: {kind} will run its eager reference here, not our kernel: {fallback}")
     return d.rewrite
+
+
+def reference_reason(ctx: PassContext, dtype: torch.dtype, norm: bool = False) -> str | None:
+    """Why a fused op will run its eager reference instead of its Triton kernel on this target (None: it runs
+    the kernel), by the rule the kernels dispatch with (kernels/_launch.kernel_runs)."""
+    from kpt_compiler.kernels import _launch
+    from kpt_compiler.kernels._gemm_common import GEMM_DTYPES
+    from kpt_compiler.kernels._norm_common import SUPPORTED_DTYPES
+
+    dtypes = SUPPORTED_DTYPES if norm else GEMM_DTYPES
+    device = ctx.target.device
+    if not _launch.HAVE_TRITON:
+        return "triton is not installed"
+    if dtype not in dtypes:
+        return f"the kernel takes {', '.join(str(d).replace('torch.', '') for d in dtypes)}, not " \
+               f"{str(dtype).replace('torch.', '')}"
+    if device == "cuda":
+        return "the kernels were loaded for Triton's interpreter (TRITON_INTERPRET=1)" if _launch.INTERPRETED else None
+    if device == "cpu":
+        if not _launch.INTERPRETED:
+            return "on the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 before importing)"
+        return None if norm or _launch.INTERPRETER_OK else "triton < 3.6's interpreter cannot run the GEMM kernels"
+    return f"the kernels run on cuda (and the CPU's interpreter), not {device}"
 
 
 def bytes_baseline(device, nbytes: int) -> Callable[[], float]:

@@ -109,17 +109,19 @@ class _MaskForm:
     window: int | None = None
     bias: tuple[tuple[float, float, float], ...] | None = None
     bias_dtype: torch.dtype | None = None
+    failed: str | None = None  # why a mask that depends on no input could not be computed at compile time
 
 
 def _mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, cache: dict) -> _MaskForm:
     allowed, bias = None, None
     for how, m, fill in masks:
+        why: list[str] = []
         if m not in cache:
             # up to 2^28 entries: an ALiBi bias [16 heads, 4096, 4096] is fitted too (larger stays a dense mask)
-            cache[m] = ir.evaluate(gm, m, max_elements=1 << 28)
+            cache[m] = ir.evaluate(gm, m, max_elements=1 << 28, why=why)
         val = cache[m]
         if val is None:
-            return _MaskForm("tensor")
+            return _MaskForm("tensor", failed=f"{m.name} ({why[0]})" if why else None)
         if how == "add":
             if not val.is_floating_point():
                 return _MaskForm("tensor")
@@ -224,6 +226,9 @@ def _rewrite(gm: fx.GraphModule, a: Attention, ctx: PassContext, cache: dict) ->
     graph = gm.graph
     dtype = ir.example_value(a.q).dtype
     form = _mask_kind(gm, a.masks, dtype, ir.example_value(a.softmax).shape[-3], cache)
+    if form.failed:
+        ctx.note(f"{a.softmax.name}: the mask depends on no input but could not be computed at compile time, so "
+                 f"it stays a dense mask (not proven causal): {form.failed}")
     kind, window = form.kind, form.window
     # FlexAttention for what SDPA cannot express (soft-capping, a bias computed from the positions) or cannot
     # make fast (a sliding window: SDPA reads a dense mask and skips nothing); SDPA with the exact dense mask

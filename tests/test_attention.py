@@ -473,3 +473,87 @@ def test_linear_bias_fit_survives_bfloat16_rounding_at_long_sequences():
     off = bias.clone()
     off[0, 0, 1] = 5.0  # above the diagonal: masked, so it does not matter
     assert _linear_bias(off, causal, heads=2) is not None
+
+
+def test_dropout_reaches_the_kernel():
+    """The note says "dropout 0.3"; the op must do it too: SDPA is called with dropout_p=0.3, so two calls draw
+    different masks, and about 30% of the probabilities are dropped (the mean of the output over many
+    draws, against eager's own dropout, is what a forced dropout_p=0 would get wrong)."""
+    def f(q, k, v):
+        return F.dropout(F.softmax(q @ k.transpose(-2, -1) * 0.25, -1), p=0.3, training=True) @ v
+
+    q, k, v = _qkv()
+    compiled = _compile(f)
+    a, b = compiled(q, k, v), compiled(q, k, v)
+    assert not torch.equal(a, b)  # dropout draws anew on each call
+    assert "dropout_p = 0.3" in kpt_compiler.last_report().pass_record("attention").diff
+    # with dropout_p=1 - 1e-6 nearly everything is dropped; with a p ignored nothing would be
+    g = lambda q, k, v: F.dropout(F.softmax(q @ k.transpose(-2, -1) * 0.25, -1), p=0.999, training=True) @ v  # noqa
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    dropped = _compile(g)(q, k, v)
+    assert kpt_compiler.last_report().pass_record("attention").matches == 1
+    assert (dropped == 0).float().mean() > 0.5, (dropped == 0).float().mean()
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient", "math"])
+def test_the_sdpa_backend_option_sets_the_priority_the_trace_runs_under(backend, monkeypatch):
+    """options={"attention": {"backend": ...}} puts that SDPA backend first while AOTAutograd traces (on the CPU
+    the dispatcher then picks what runs; here the priority list itself is checked, as the pass installs it)."""
+    from torch.nn.attention import SDPBackend
+
+    from kpt_compiler.passes import attention
+
+    installed = []
+    real = attention._sdpa_priority
+
+    def record(order):
+        installed.append([b.name.lower() for b in order])
+        return real(order)
+
+    monkeypatch.setattr(attention, "_sdpa_priority", record)
+    q, k, v = _qkv()
+    f = lambda q, k, v: F.softmax(q @ k.transpose(-2, -1) * 0.25, -1) @ v  # noqa: E731
+    _compile(f, {"attention": {"backend": backend}})(q, k, v)
+    first = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend].name.lower()
+    assert installed and installed[-1][0] == first and len(installed[-1]) == 4, installed
+    note = next(n for n in kpt_compiler.last_report().pass_record("attention").notes if "SDPA backends" in n)
+    assert note.split(": ")[1].startswith(first)
+
+
+def test_a_mask_that_cannot_be_computed_at_compile_time_says_why(monkeypatch):
+    """A mask that depends on no input is computed at compile time to prove it causal; where that fails, the
+    rewrite keeps it as a dense mask and the report says why (it used to be a silent "not proven")."""
+    from kpt_compiler import torch_ir
+
+    def failing(gm, node, max_elements=1 << 26, why=None):
+        why.append("RuntimeError: planted by the test")
+        return None
+
+    monkeypatch.setattr(torch_ir, "evaluate", failing)
+    q, k, v = _qkv()
+
+    def causal(q, k, v):
+        mask = torch.ones(L, L, dtype=torch.bool).tril()
+        return F.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~mask, float("-inf")), -1) @ v
+
+    out = _compile(causal)(q, k, v)
+    torch.testing.assert_close(out, causal(q, k, v))
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert any("could not be computed at compile time" in n and "planted by the test" in n for n in rec.notes), rec.notes
+
+
+def test_evaluate_says_why_it_could_not():
+    from kpt_compiler import torch_ir
+
+    def boom(x):
+        raise RuntimeError("no kernel for this")
+
+    gm = torch.fx.symbolic_trace(lambda: torch.ones(3))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(out):
+        node = gm.graph.call_function(boom, (out.args[0],))
+    node.meta["example_value"] = torch.empty(3)
+    why = []
+    assert torch_ir.evaluate(gm, node, why=why) is None and why == ["RuntimeError: no kernel for this"]

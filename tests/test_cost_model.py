@@ -200,3 +200,25 @@ def test_without_host_times_a_card_declines_where_no_cuda_graph_replays_the_call
     assert cm.CostModel(H100, "reduce-overhead").decide("auto", c).rewrite
     d = cm.CostModel(H100, "default").decide("auto", c)
     assert not d.rewrite and "no host times" in d.why and "--tables host,ceilings" in d.why, d.why
+
+
+@pytest.mark.parametrize("ours_ms, theirs_ms", [(1.0, 2.0), (2.0, 1.0)])
+def test_measure_times_both_and_keeps_the_faster(tmp_path, monkeypatch, ours_ms, theirs_ms):
+    """decide='measure' with a fake timer: ours is taken only when it times faster, and the answer is cached
+    (decide='auto' then reuses it)."""
+    from kpt_compiler import bench
+
+    monkeypatch.setenv("KPT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("KPT_CALIBRATION_DIR", str(tmp_path))  # no file: only the measurement can say yes
+    calls = []
+
+    def ours():
+        calls.append("ours")
+
+    monkeypatch.setattr(bench, "median_ms", lambda fn, device, **kw: (fn(), ours_ms)[1])
+    c = gemm(M=4096, ours=ours, baseline_ms=lambda: theirs_ms)
+    d = cm.CostModel(H100).decide("measure", c)
+    assert d.rewrite == (ours_ms < theirs_ms) and calls == ["ours"], d.why
+    assert f"ours {ours_ms:.4f} ms, Inductor at best {theirs_ms:.4f} ms" in d.why
+    again = cm.CostModel(H100).decide("auto", gemm(M=4096))
+    assert again.rewrite == d.rewrite and "measured earlier" in again.why
