@@ -34,12 +34,20 @@ def test_inductor_on_cuda_with_a_joint_rewrite(mode):
     # torch.compile takes mode= or options=, not both: the mode goes in the options
     options = {"test_relu_to_clamp": True, **({"mode": mode} if mode else {})}
     compiled = torch.compile(model, backend="kernelpytorch", options=options)
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    counters["inductor"].clear()
     with torch.no_grad():
         for _ in range(3):  # CUDA graphs record on a later call
             out = compiled(x.cuda())
     assert relative_error(out, ref) < 1e-2  # TF32 convolutions allowed
     report = kpt_compiler.last_report()
     assert report.codegen == "inductor" and report.pass_record("test-relu-to-clamp").status == "applied"
+    if mode == "reduce-overhead":  # the mode's point: the calls were captured as a CUDA graph and replayed
+        assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+        manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+        assert manager is not None and any(manager.roots.values()), "no CUDA graph was recorded"
 
 
 def test_training_step_on_cuda_bf16():

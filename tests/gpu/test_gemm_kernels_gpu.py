@@ -160,6 +160,23 @@ def test_hopper_takes_the_tma_kernel_for_large_gemms():
         assert _tma_gemm.launches["tma"] == before + 2 * expect
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_tma_path_keeps_the_bias(residual):
+    """At a size the op sends to the TMA kernel, a bias alone (and with a residual) reaches the result: the op
+    against the reference, and against the same GEMM without the bias (which a dropped bias would equal)."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("TMA needs compute capability 9.0")
+    M, K, N = 8192, 1024, 4096
+    assert _tma_gemm.use_tma(M, N, K)
+    x, w, b, r = _linear_inputs(M, K, N, residual=residual)
+    before = _tma_gemm.launches["tma"]
+    out = le.linear_epilogue(x, w, b, r)
+    assert _tma_gemm.launches["tma"] == before + 1
+    ref = le.reference(*_float(x, w, b, r))
+    assert relative_error(out, ref) < 1e-2
+    assert relative_error(le.reference(*_float(x, w, None, r)), ref) > 0.1  # the bias matters at this scale
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_every_tma_config(dtype):
     """Each config the autotuner may pick (after pruning), at an odd size (edge tiles, K tail)."""
