@@ -29,9 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -39,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kpt_compiler import cost_model as cm
+from kpt_compiler.bench import git_commit
 
 TABLES = ("gated_linear", "linear_epilogue", "linear_epilogue_vs_gemm", "horizontal", "host", "ceilings")
 # (M, K, widths) of the q/k/v cases: grouped-query as the zoo Llama (K=1024, k and v a quarter), multi-head
@@ -50,15 +49,7 @@ HOST_ROWS = 128  # host time hardly depends on M
 def _commit() -> str:
     """KPT_COMMIT where given (the GPU machine's copy of the repository has a stale git HEAD), else git's,
     marked "+dirty" when the tree has changes."""
-    if os.environ.get("KPT_COMMIT"):
-        return os.environ["KPT_COMMIT"]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True).stdout.strip()
-        return head.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git_commit() or "unknown"
 
 
 def new_run(argv: list[str]) -> dict:

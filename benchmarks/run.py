@@ -26,7 +26,6 @@ import platform
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 import kpt_compiler
+from kpt_compiler.bench import git_commit
 from kpt_compiler.models.zoo import MissingLibrary
 
 from . import measure, outputs
@@ -96,19 +96,7 @@ def _version(name: str) -> str | None:
 
 
 def _git_commit() -> str | None:
-    """The commit of this tree: ``KPT_COMMIT`` if set (the lent GPU machine's copy of the tree keeps the git
-    HEAD of its first copy, so there the command names the commit), else git's HEAD (+dirty)."""
-    if os.environ.get("KPT_COMMIT"):
-        return os.environ["KPT_COMMIT"]
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return (sha + ("+dirty" if dirty else "")) or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    return git_commit()
 
 
 def card_slug(card: str) -> str:

@@ -106,3 +106,23 @@ def first_tensor(out: Any) -> torch.Tensor:
     if isinstance(out, dict):
         return first_tensor(next(iter(out.values())))
     raise TypeError(f"no tensor in the model's output of type {type(out).__name__}")
+
+
+def git_commit() -> str | None:
+    """The commit results are stamped with: ``KPT_COMMIT`` if set (the lent GPU machine's copy of the tree keeps
+    the git HEAD of its first copy, so there the command names the commit), else git's short HEAD with
+    "+dirty" when tracked files have changes; None outside a git checkout."""
+    import os
+    import subprocess
+
+    if os.environ.get("KPT_COMMIT"):
+        return os.environ["KPT_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha + ("+dirty" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -23,7 +23,7 @@ import torch
 
 import kpt_compiler
 
-from .bench import first_tensor, median_ms, relative_error
+from .bench import first_tensor, git_commit, median_ms, relative_error
 from .models.zoo import MissingLibrary, build
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -131,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'OK' if ok else 'MISMATCH'}")
     with open(os.path.join(args.out, "main_job.json"), "w") as f:
         json.dump({"label": label, "batch": batch, "seq": seq, "dtype": str(dtype), "device": _device_name(device),
-                   "torch": torch.__version__, "date": str(datetime.date.today()), "rows": rows, "fired": fired,
-                   "ok": ok}, f, indent=1)
+                   "torch": torch.__version__, "date": str(datetime.date.today()), "commit": git_commit(),
+                   "rows": rows, "fired": fired, "ok": ok}, f, indent=1)
     return 0 if ok else 1
 
 

@@ -184,6 +184,30 @@ def test_the_commit_can_be_named_where_git_is_stale(monkeypatch):
     assert run._git_commit() == "abc1234"
 
 
+def test_a_results_commit_says_dirty_when_the_tree_has_changes(tmp_path, monkeypatch):
+    """The stamp on results is the real commit, and "+dirty" where tracked files differ from it."""
+    import shutil
+
+    from kpt_compiler import bench
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    monkeypatch.delenv("KPT_COMMIT", raising=False)
+    repo = tmp_path / "repo"
+    (repo / "kpt_compiler").mkdir(parents=True)
+    shutil.copy(bench.__file__, repo / "kpt_compiler" / "bench.py")
+    (repo / "notes.txt").write_text("tracked\n")
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t"]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "x"]):
+        subprocess.run(git + cmd, cwd=repo, check=True, capture_output=True)
+    stamp = [sys.executable, "-c", "import importlib.util as u; s = u.spec_from_file_location('b', 'kpt_compiler/bench.py');"
+             " m = u.module_from_spec(s); s.loader.exec_module(m); print(m.git_commit())"]
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    assert subprocess.run(stamp, cwd=repo, capture_output=True, text=True).stdout.strip() == head
+    (repo / "notes.txt").write_text("changed\n")
+    assert subprocess.run(stamp, cwd=repo, capture_output=True, text=True).stdout.strip() == head + "+dirty"
+
+
 def test_calibrate_refuses_without_a_gpu(capsys):
     from benchmarks import calibrate
 
