@@ -8,17 +8,35 @@ process that never imports it). ``last_report()`` says what the compiler did to 
 
 from __future__ import annotations
 
+import importlib.abc as _importlib_abc
 import importlib.util as _importlib_util
 import os as _os
+import sys as _sys
 
 # ``kpt_compiler.passes`` and ``kpt_compiler.kernels`` live in the repository's passes/ and kernels/ (a
-# package-dir mapping in pyproject.toml). An editable install maps them; an installed copy holds them. But
-# Python run from the repository root imports this source folder first, which after a plain `pip install .`
-# has neither and no mapping: there, let the package find them beside it, as the mapping says.
+# package-dir mapping in pyproject.toml). An editable install of this checkout maps them; an installed copy
+# holds them. But Python run from a repository root imports that root's kpt_compiler/ first, which has neither:
+# after a plain `pip install .`, or with an editable install of another checkout (whose passes/ would then be
+# mixed in). There, and only for those two names, a finder serves this checkout's passes/ and kernels/.
 _ROOT = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _importlib_util.find_spec(f"{__name__}.passes") is None and all(
+
+
+class _BesideFinder(_importlib_abc.MetaPathFinder):
+    """Finds ``kpt_compiler.passes`` and ``kpt_compiler.kernels`` in the folders beside this package."""
+
+    def find_spec(self, name, path=None, target=None):
+        folder = {f"{__name__}.passes": "passes", f"{__name__}.kernels": "kernels"}.get(name)
+        if folder is None:
+            return None
+        location = _os.path.join(_ROOT, folder)
+        return _importlib_util.spec_from_file_location(name, _os.path.join(location, "__init__.py"),
+                                                        submodule_search_locations=[location])
+
+
+_found = _importlib_util.find_spec(f"{__name__}.passes")
+if (_found is None or not (_found.origin or "").startswith(_ROOT + _os.sep)) and all(
         _os.path.isfile(_os.path.join(_ROOT, sub, "__init__.py")) for sub in ("passes", "kernels")):
-    __path__.append(_ROOT)  # noqa: F821 - the package's own __path__
+    _sys.meta_path.insert(0, _BesideFinder())
 
 from .backend import BACKEND_NAME, kernelpytorch  # noqa: E402
 from .errors import OptionError, PassFailed, PassSkipped

@@ -120,9 +120,9 @@ def kernelpytorch(
         from .dump import DumpWriter
 
         dump = DumpWriter.for_dir(opts.dump_dir)
-    graph_report = report_mod._new_report(
-        compile_id=_compile_id(), codegen=codegen, target=target.to_dict(), options=opts.to_dict()
-    )
+    shown = {**opts.to_dict(), **({"KPT_DISABLE": list(opts.env_disable)} if opts.env_disable else {})}
+    graph_report = report_mod._new_report(compile_id=_compile_id(), codegen=codegen, target=target.to_dict(),
+                                          options=shown)
     pm = PassManager(opts, target, graph_report, dump=dump, codegen=codegen, example_inputs=example_inputs)
     pm.check_requested_passes()
     report_mod._publish(graph_report)

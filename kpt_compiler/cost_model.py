@@ -271,8 +271,9 @@ class CostModel:
             return self._measure(c, source)
         cached = _load_cache().get(self._key(c, source))
         if cached is not None:
-            return Decision(bool(cached["rewrite"]), f"measured earlier: ours {cached['ours_ms']:.4f} ms, Inductor at "
-                                                     f"best {cached['inductor_ms']:.4f} ms (cache {cache_path()})")
+            return Decision(bool(cached["rewrite"]), f"measured earlier on {self.target.card}: ours "
+                                                     f"{cached['ours_ms']:.4f} ms, Inductor at best "
+                                                     f"{cached['inductor_ms']:.4f} ms (cache {cache_path()})")
         return self._calibrated(c, source, timed=c.timeable)
 
     def _measure(self, c: Candidate, source: str) -> Decision:

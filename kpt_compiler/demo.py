@@ -53,8 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
     rep_ms = args.rep_ms or (1000 if gpu else 1500)
     user_options = json.loads(args.options)
-    try:  # fail before building anything when the options are wrong
+    try:  # fail before building anything when the options or the output folder are wrong
         kpt_compiler.parse_options(None, user_options)
+        from .dump import DumpWriter
+
+        DumpWriter.for_dir(args.out)  # the folder the report goes to (parse_options does not look at it)
     except kpt_compiler.OptionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

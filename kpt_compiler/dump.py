@@ -66,7 +66,7 @@ class DumpWriter:
         except OSError as e:
             raise OptionError(f"{where} cannot be written: {e.strerror or e}; give a folder this process can "
                               "create and write") from e
-        foreign = [n for n in os.listdir(root) if n != _MARKER]
+        foreign = [n for n in os.listdir(root) if not n.startswith(".")]  # .gitkeep and the like are no data
         if foreign and not os.path.exists(os.path.join(root, _MARKER)):
             raise OptionError(f"{where} already holds files kernelpytorch did not write ({', '.join(sorted(foreign)[:5])}"
                               f"{', ...' if len(foreign) > 5 else ''}); give an empty or new folder, or one an "

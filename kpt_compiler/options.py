@@ -251,9 +251,10 @@ def _expand(names) -> set[str]:
 
 
 def _env_flag(name: str) -> bool | None:
-    """A boolean environment variable in any of the usual spellings (None when unset); anything else is an error."""
+    """A boolean environment variable in any of the usual spellings (None when unset or empty); anything else is
+    an error."""
     raw = os.environ.get(name)
-    if raw is None:
+    if raw is None or not raw.strip():
         return None
     value = raw.strip().lower()
     if value in _TRUE or value in _FALSE:
@@ -267,7 +268,7 @@ def _check_inductor_value(config, key: str, value: Any) -> None:
     options' own checks understand: bools, numbers, strings, lists, unions of them)."""
     entry = getattr(config, "_config", {}).get(key)
     expected = getattr(entry, "value_type", None)
-    if expected is None:
+    if expected is None or expected is type(None):  # no annotation: the type of a None default says nothing
         return
     try:
         ok, _ = _coerce(value, expected)
@@ -289,9 +290,10 @@ def parse_options(mode: str | None, options: Mapping[str, Any] | None) -> Compil
         options["mode"] = mode
     if ENV_DUMP_DIR in os.environ and "dump_dir" not in options:
         options["dump_dir"] = os.environ[ENV_DUMP_DIR] or None
-    strict = _env_flag(ENV_STRICT)
-    if strict is not None and "strict" not in options:
-        options["strict"] = strict
+    if "strict" not in options:  # the options win; the variable is read only where they do not say
+        strict = _env_flag(ENV_STRICT)
+        if strict is not None:
+            options["strict"] = strict
     env_disable = [n.strip() for n in os.environ.get(ENV_DISABLE, "").split(",") if n.strip()]
     if isinstance(options.get("pipeline"), str):
         options["pipeline"] = [n.strip() for n in options["pipeline"].split(",") if n.strip()]
@@ -314,56 +316,62 @@ def parse_options(mode: str | None, options: Mapping[str, Any] | None) -> Compil
     passes: dict[str, PassSetting] = {}
     for name, spec in known.items():
         passes[name] = _pass_setting(spec, pass_given.get(name, _MISSING), from_groups.get(name))
-    _refuse_contradictions(top, passes, pass_given, from_groups)
-    _enable_the_named_pipeline(top, passes, pass_given, from_groups)
+    _refuse_contradictions(top, passes, pass_given)
+    _enable_the_named_pipeline(top, passes, pass_given, group_given)
     return build_options(CompileOptions, {**top, "passes": passes, "env_disable": env_disable}, "options")
 
 
-def _asked_by(name: str, pass_given: dict, from_groups: dict) -> str | None:
-    """The key under which the user switched a pass on or configured it (None: they did not)."""
+def _asked_by(name: str, pass_given: dict) -> str | None:
+    """The key under which the user asked for this pass by its own name (True or a dict), or None. A group's
+    setting asks for no member in particular: it may go with one of them switched off."""
     value = pass_given.get(name, _MISSING)
-    if value is True or isinstance(value, Mapping):
-        return name.replace("-", "_")
-    group = from_groups.get(name)
-    return group.key if group is not None and group.enabled else None
+    return name.replace("-", "_") if value is True or isinstance(value, Mapping) else None
 
 
-def _turned_off_by(name: str, pass_given: dict, from_groups: dict) -> str | None:
-    """The key under which the user switched a pass off (None: they did not)."""
-    if pass_given.get(name, _MISSING) is False:
-        return name.replace("-", "_")
-    group = from_groups.get(name)
-    return group.key if group is not None and group.enabled is False and name not in pass_given else None
-
-
-def _refuse_contradictions(top: dict, passes: dict, pass_given: dict, from_groups: dict) -> None:
-    """A pass both asked for and switched off is a contradiction: refuse it, naming both keys."""
-    disabled = [d for d in top.get("disable") or () if isinstance(d, str)]
-    named = [p for p in top.get("pipeline") or () if isinstance(p, str)]
+def _refuse_contradictions(top: dict, passes: dict, pass_given: dict) -> None:
+    """A pass asked for by its own name and also switched off, or left out of ``pipeline``, is a contradiction:
+    refuse it, naming both keys. So is one name in both ``pipeline`` and ``disable`` (or a pass named in
+    ``pipeline`` whose group ``disable`` names). A group in one and a member in the other is no contradiction:
+    the member's own setting is the more specific."""
+    disabled = [_pass_name(d) for d in top.get("disable") or () if isinstance(d, str)]
+    named = [_pass_name(p) for p in top.get("pipeline") or () if isinstance(p, str)]
     for entry in disabled:
-        for name in sorted(_expand({_pass_name(entry)}) & set(passes)):
-            key = _asked_by(name, pass_given, from_groups)
+        for name in sorted(_expand({entry}) & set(passes)):
+            key = _asked_by(name, pass_given)
             if key is not None:
                 raise OptionError(f"options[{key!r}] asks for pass {name!r} and options['disable'] names "
                                   f"{entry!r}: give one of them")
-            for p in named:
-                if name in _expand({_pass_name(p)}):
-                    raise OptionError(f"options['pipeline'] names {p!r} and options['disable'] names {entry!r}, "
-                                      f"which both cover pass {name!r}: give one of them")
+        for p in named:
+            if p == entry or (p in passes and p in _expand({entry})):
+                raise OptionError(f"options['pipeline'] names {p!r} and options['disable'] names {entry!r}: "
+                                  "give one of them")
+    if top.get("pipeline") is not None:
+        running = _expand(set(named))
+        for name in sorted(set(pass_given) - running):
+            key = _asked_by(name, pass_given)
+            if key is not None:
+                raise OptionError(f"options[{key!r}] asks for pass {name!r}, which options['pipeline'] leaves "
+                                  "out: add it there, or drop the setting")
 
 
-def _enable_the_named_pipeline(top: dict, passes: dict, pass_given: dict, from_groups: dict) -> None:
-    """``pipeline`` runs exactly the passes it names: one off by default is switched on (as if asked for), one
-    the options switch off is a contradiction."""
-    for entry in [p for p in top.get("pipeline") or () if isinstance(p, str)]:
-        for name in sorted(_expand({_pass_name(entry)}) & set(passes)):
+def _enable_the_named_pipeline(top: dict, passes: dict, pass_given: dict, group_given: dict) -> None:
+    """``pipeline`` runs exactly the passes it names: one off by default is switched on (as if asked for). One
+    named there that the options switch off (its own key, or its group's False) is a contradiction; a member of
+    a named group that the options switch off stays off."""
+    for entry in [_pass_name(p) for p in top.get("pipeline") or () if isinstance(p, str)]:
+        if group_given.get(entry) is False:
+            raise OptionError(f"options['pipeline'] names {entry!r} and options[{entry.replace('-', '_')!r}] is "
+                              "False: give one of them")
+        for name in sorted(_expand({entry}) & set(passes)):
             setting = passes[name]
             if setting.enabled:
                 continue
-            key = _turned_off_by(name, pass_given, from_groups)
-            if key is not None:
-                raise OptionError(f"options['pipeline'] names {entry!r} and options[{key!r}] switches pass "
-                                  f"{name!r} off: give one of them")
+            if name == entry and not setting.enabled and (name in pass_given or setting.key is not None):
+                key = name.replace("-", "_") if name in pass_given else setting.key
+                raise OptionError(f"options['pipeline'] names {entry!r} and options[{key!r}] switches it off: "
+                                  "give one of them")
+            if name != entry and (name in pass_given or setting.key is not None):
+                continue  # a member of a named group, switched off by its own key or a group toggle
             passes[name] = dataclasses.replace(setting, enabled=True, explicit=True, key="pipeline")
 
 

@@ -84,6 +84,7 @@ class PassManager:
                 if src:
                     files.append(os.path.abspath(src))
             opts = {k: v for k, v in self.options.to_dict().items() if k != "dump_dir"}
+            opts["KPT_DISABLE"] = list(self.options.env_disable)  # not an option, but it changes what runs
             self._fingerprint = hashlib.sha256(
                 (_source_hash(files) + repr(sorted(opts.items(), key=str)) + repr(self.target.to_dict())).encode()
             ).hexdigest()
@@ -99,10 +100,9 @@ class PassManager:
                 if reason:
                     key = setting.key or spec.key
                     what = f"pass {spec.name!r} (through options[{key!r}])" if key != spec.key else f"options[{key!r}]"
-                    raise OptionError(
-                        f"{what} was asked for, but {reason}. Remove it or set options[{key!r}]=False for this "
-                        "device."
-                    )
+                    fix = (f"remove it from options['pipeline']" if key == "pipeline" else
+                           f"remove it or set options[{key!r}]=False")
+                    raise OptionError(f"{what} was asked for, but {reason}. For this device, {fix}.")
 
     # -------------------------------------------------------------- graph stages
     def stage_done(self, gm: fx.GraphModule, stage: str) -> bool:

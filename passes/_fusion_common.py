@@ -13,6 +13,7 @@ gives the backward, as for the attention pass).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Literal
 
 import torch
@@ -174,10 +175,15 @@ def ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes
         ctx.near_miss(f"{node.name}: {kind} not faster here ({d.why})")
     else:
         ctx.note(f"{node.name}: {kind} {n}x{shapes} ({d.why})")
-        fallback = reference_reason(ctx, v.dtype, norm=kind.startswith("add_"))
+        fallback = reference_reason(ctx, v.dtype, norm=kind.startswith("add_")) if _is_kernel(source) else None
         if fallback:
             ctx.note(f"{node.name}: {kind} will run its eager reference here, not our kernel: {fallback}")
     return d.rewrite
+
+
+def _is_kernel(source: Any) -> bool:
+    """Whether a rewrite's source is one of our kernels (a module in kernels/), not plain torch code."""
+    return getattr(source, "__name__", "").startswith("kpt_compiler.kernels.")
 
 
 def reference_reason(ctx: PassContext, dtype: torch.dtype, norm: bool = False) -> str | None:
@@ -197,7 +203,7 @@ def reference_reason(ctx: PassContext, dtype: torch.dtype, norm: bool = False) -
     if device == "cuda":
         return "the kernels were loaded for Triton's interpreter (TRITON_INTERPRET=1)" if _launch.INTERPRETED else None
     if device == "cpu":
-        if not _launch.INTERPRETED:
+        if not _launch.INTERPRETED or os.environ.get("TRITON_INTERPRET") != "1":
             return "on the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 before importing)"
         return None if norm or _launch.INTERPRETER_OK else "triton < 3.6's interpreter cannot run the GEMM kernels"
     return f"the kernels run on cuda (and the CPU's interpreter), not {device}"

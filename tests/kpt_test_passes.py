@@ -196,3 +196,13 @@ class _Runner:
             default=False)
 def wrap_in_bound_method(compiled, ctx):
     return _Runner(compiled).run
+
+
+SDP_PRIORITY: list[list[int]] = []
+
+
+@graph_pass("test-record-sdp-priority", summary="records the SDPA backend priority in effect while AOT traces",
+            stage="joint", default=False)
+def record_sdp_priority(gm, ctx):
+    SDP_PRIORITY.append([int(b) for b in torch._C._get_sdp_priority_order()])
+    return False

@@ -345,3 +345,16 @@ def test_a_fused_op_that_will_run_its_reference_says_so():
     # cannot run the GEMM kernels, says so)
     runs = kernel_runs(torch.empty(1), GEMM_DTYPES, needs_3_6_interpreter=True)
     assert (notes(torch.float32) == []) == runs
+
+
+def test_merging_linears_runs_no_kernel_of_ours_and_says_nothing_of_one(monkeypatch):
+    """merge-parallel-linears emits plain torch (merged_linear): no note of a kernel falling back, even where our
+    kernels would (the CPU outside the interpreter, as in a user's process)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    def qkv(x, wq, wk):
+        return F.linear(x, wq), F.linear(x, wk)
+
+    _compile(qkv, {"attention": False, **ALWAYS})(_randn(M, K), _randn(N, K, seed=1), _randn(N, K, seed=2))
+    rec = kpt_compiler.last_report().pass_record("merge-parallel-linears")
+    assert rec.matches == 1 and not [n for n in rec.notes if "eager reference" in n], rec.notes

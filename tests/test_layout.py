@@ -100,10 +100,14 @@ def test_the_source_folder_works_from_the_repository_root_without_an_editable_in
 
     for folder in ("kpt_compiler", "passes", "kernels"):
         shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
-    code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in getattr(f, '__name__', '')]"
-            "; import kpt_compiler, kpt_compiler.passes, kpt_compiler.kernels.gated_linear"
-            "; print(kpt_compiler.passes.__file__)")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                       env={**os.environ, "PYTHONPATH": ""})
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.strip() == str(tmp_path / "passes" / "__init__.py")
+    drop_editable = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'Editable' not in " \
+                    "getattr(f, '__name__', '')]; "
+    load = "import kpt_compiler, kpt_compiler.passes, kpt_compiler.kernels.gated_linear; " \
+           "print(kpt_compiler.passes.__file__, kpt_compiler.kernels.gated_linear.__file__)"
+    # no install mapping at all (pip install .), and an editable install of another checkout (this one's, here)
+    for code in (drop_editable + load, load):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": ""})
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.split() == [str(tmp_path / "passes" / "__init__.py"),
+                                    str(tmp_path / "kernels" / "gated_linear.py")], (code, r.stdout)

@@ -181,6 +181,9 @@ def test_kpt_strict_refuses_anything_else(monkeypatch):
     monkeypatch.setenv("KPT_STRICT", "sometimes")
     with pytest.raises(OptionError, match=r"KPT_STRICT='sometimes' must be one of 1/true/yes/on or 0/false/no/off"):
         parse_options(None, None)
+    assert parse_options(None, {"strict": True}).strict  # where the options say, the variable is not read
+    monkeypatch.setenv("KPT_STRICT", "")  # empty: as unset
+    assert parse_options(None, None).strict is False
 
 
 def test_pipeline_runs_exactly_the_passes_it_names():
@@ -190,24 +193,42 @@ def test_pipeline_runs_exactly_the_passes_it_names():
     torch.compile(model, backend="kernelpytorch", options={"codegen": "eager", "pipeline": "test-relu-to-clamp"})(x)
     assert kpt_compiler.last_report().pass_record("test-relu-to-clamp").status == "applied"
     with pytest.raises(OptionError, match=r"options\['pipeline'\] names 'test-relu-to-clamp' and "
-                                          r"options\['test_relu_to_clamp'\] switches pass 'test-relu-to-clamp' off"):
+                                          r"options\['test_relu_to_clamp'\] switches it off"):
         parse_options(None, {"pipeline": ["test-relu-to-clamp"], "test_relu_to_clamp": False})
-    with pytest.raises(OptionError, match=r"options\['pipeline'\] names 'fusion' and options\['fusion'\] switches"):
+    with pytest.raises(OptionError, match=r"options\['pipeline'\] names 'fusion' and options\['fusion'\] is False"):
         parse_options(None, {"pipeline": ["fusion"], "fusion": False})
+    with pytest.raises(OptionError, match=r"options\['fuse_gated_linear'\] asks for pass 'fuse-gated-linear', which "
+                                          r"options\['pipeline'\] leaves out"):
+        parse_options(None, {"pipeline": ["attention"], "fuse_gated_linear": {"decide": "always"}})
+    # a member of a named group that the options switch off stays off
+    opts = parse_options(None, {"pipeline": ["fusion"], "fusion": {"gated": False}})
+    assert not opts.pass_enabled("fuse-gated-linear") and opts.pass_enabled("fuse-linear-epilogue")
 
 
 @pytest.mark.parametrize("options, pattern", [
     ({"test_scale_outputs": {"factor": 3}, "disable": ["test-scale-outputs"]},
      r"options\['test_scale_outputs'\] asks for pass 'test-scale-outputs' and options\['disable'\] names"),
     ({"test_relu_to_clamp": True, "disable": ["test_relu_to_clamp"]}, r"options\['test_relu_to_clamp'\] asks for"),
-    ({"fusion": {"decide": "always"}, "disable": ["fuse-gated-linear"]},
-     r"options\['fusion'\] asks for pass 'fuse-gated-linear' and options\['disable'\] names 'fuse-gated-linear'"),
+    ({"fuse_gated_linear": {"decide": "always"}, "disable": ["fusion"]},
+     r"options\['fuse_gated_linear'\] asks for pass 'fuse-gated-linear' and options\['disable'\] names 'fusion'"),
     ({"pipeline": ["test-skip"], "disable": ["test-skip"]},
      r"options\['pipeline'\] names 'test-skip' and options\['disable'\] names 'test-skip'"),
+    ({"pipeline": ["fuse-gated-linear"], "disable": ["fusion"]},
+     r"options\['pipeline'\] names 'fuse-gated-linear' and options\['disable'\] names 'fusion'"),
 ])
 def test_contradictions_are_refused_naming_both_keys(options, pattern):
     with pytest.raises(OptionError, match=pattern):
         parse_options(None, options)
+
+
+@pytest.mark.parametrize("options, off", [
+    ({"fusion": {"decide": "always"}, "disable": ["fuse-gated-linear"]}, "fuse-gated-linear"),
+    ({"fusion": True, "disable": ["fuse-add-norm"]}, "fuse-add-norm"),
+    ({"pipeline": ["fusion"], "disable": ["merge-parallel-linears"]}, "merge-parallel-linears"),
+])
+def test_a_group_with_one_member_switched_off_is_no_contradiction(options, off):
+    opts = parse_options(None, options)
+    assert not opts.pass_enabled(off) and opts.pass_enabled("fuse-linear-epilogue")
 
 
 @pytest.mark.parametrize("key", ["attention", "fusion", "fuse_gated_linear"])

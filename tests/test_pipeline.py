@@ -81,6 +81,7 @@ def test_disable_by_name_bisects(monkeypatch):
     torch.testing.assert_close(compiled(x), model(x))
     rec = kpt_compiler.last_report().pass_record("test-scale-outputs")
     assert rec.status == "disabled" and rec.reason == "switched off by KPT_DISABLE"
+    assert kpt_compiler.last_report().options["KPT_DISABLE"] == ["test-scale-outputs"]
 
 
 def test_a_pass_that_changes_numerics_is_visible():
@@ -124,11 +125,10 @@ def test_training_runs_forward_and_backward_stages():
 
 
 def test_pipeline_option_sets_the_order_and_membership():
-    _model, x, compiled = _eager_compile("mlp", {"pipeline": ["test-skip"], "test_skip": True,
-                                                 "test_relu_to_clamp": True})
+    _model, x, compiled = _eager_compile("mlp", {"pipeline": ["test-skip", "test-relu-to-clamp"]})
     compiled(x)
     names = [p.name for p in kpt_compiler.last_report().passes()]
-    assert names == ["test-skip"]
+    assert names == ["test-skip", "test-relu-to-clamp"]  # in the order given; attention and fusion left out
 
 
 def test_describe_pipeline_lists_stages_and_switches():
@@ -160,6 +160,14 @@ def test_fingerprint_depends_on_options():
 
     assert fp({}) == fp({})
     assert fp({}) != fp({"test_relu_to_clamp": True})
+    # KPT_DISABLE is no option, but it changes what runs: a cached artifact must not outlive it
+    with_env = fp({"test_scale_outputs": {"factor": 3}})
+    import os
+    os.environ["KPT_DISABLE"] = "test-scale-outputs"
+    try:
+        assert fp({"test_scale_outputs": {"factor": 3}}) != with_env
+    finally:
+        del os.environ["KPT_DISABLE"]
     assert fp({"test_scale_outputs": {"factor": 2}}) != fp({"test_scale_outputs": {"factor": 3}})
     assert fp({"dump_dir": "a"}) == fp({"dump_dir": "b"})  # where files go does not change the code
 
