@@ -100,7 +100,7 @@ class PassManager:
                 if reason:
                     key = setting.key or spec.key
                     what = f"pass {spec.name!r} (through options[{key!r}])" if key != spec.key else f"options[{key!r}]"
-                    fix = (f"remove it from options['pipeline']" if key == "pipeline" else
+                    fix = ("remove it from options['pipeline']" if key == "pipeline" else
                            f"remove it or set options[{key!r}]=False")
                     raise OptionError(f"{what} was asked for, but {reason}. For this device, {fix}.")
 
