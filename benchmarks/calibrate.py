@@ -21,12 +21,13 @@ measured with (``kpt_compiler.cost_model.source_hash``). bf16 throughout. Tables
   ceilings                 the bf16 GEMM rate at 8192^3, the copy bandwidth, and a small GEMM's fixed cost
                            (what the cost model estimates Inductor's device time from)
 
-Takes about 5 minutes for all of them on an H100 or H200; ``--tables`` runs some (each call adds its run).
+``--tables`` runs some of them (each call adds its run to the file).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import datetime
 import json
 import shlex
@@ -90,34 +91,27 @@ def merge(old: dict | None, device: dict, run: dict, measured: dict) -> dict:
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def _points(rows: list[dict], ratio: str) -> list[dict]:
-    return [{"M": r["shape"][0], "K": r["shape"][1], "N": r["shape"][2], "speedup": round(r[ratio], 4),
-             "ours_us": round(r["ms"]["ours"] * 1e3, 2),
-             "theirs_us": round(r["ms"]["inductor" if ratio == "ours_vs_inductor" else "cublas"] * 1e3, 2)}
-            for r in rows]
+# device-time tables of our GEMM kernels: (the bench module, the activation, what ours is timed against, the
+# kernel module whose source keys the table)
+GEMM_TABLES = {
+    "gated_linear": ("bench_gated_linear", "silu", "inductor", "gated_linear"),
+    "linear_epilogue": ("bench_linear_epilogue", "gelu_tanh", "inductor", "linear_epilogue"),
+    "linear_epilogue_vs_gemm": ("bench_linear_epilogue", "none", "cublas", "linear_epilogue"),
+}
 
 
-def measure_gemm_tables(tables: list[str]) -> dict:
-    from benchmarks import bench_gated_linear, bench_linear_epilogue
+def measure_gemm_table(table: str) -> dict:
+    """One GEMM table: the bench's ``measure`` at every shape of bench_linear_epilogue.SHAPES, device time only,
+    ours against Inductor (or against cuBLAS alone)."""
     from benchmarks.bench_linear_epilogue import SHAPES
-    from kpt_compiler.kernels import gated_linear, linear_epilogue
 
-    out = {}
-    if "gated_linear" in tables:
-        rows = [bench_gated_linear.measure(M, K, N, "silu", variants=("inductor",), launches=False)
-                for M, K, N in SHAPES]
-        out["gated_linear"] = {"source": cm.source_hash(gated_linear), "points": _points(rows, "ours_vs_inductor")}
-    if "linear_epilogue" in tables:
-        rows = [bench_linear_epilogue.measure(M, K, N, "gelu_tanh", variants=("inductor",), launches=False)
-                for M, K, N in SHAPES]
-        out["linear_epilogue"] = {"source": cm.source_hash(linear_epilogue),
-                                  "points": _points(rows, "ours_vs_inductor")}
-    if "linear_epilogue_vs_gemm" in tables:
-        rows = [bench_linear_epilogue.measure(M, K, N, "none", variants=("cublas",), launches=False)
-                for M, K, N in SHAPES]
-        out["linear_epilogue_vs_gemm"] = {"source": cm.source_hash(linear_epilogue),
-                                          "points": _points(rows, "ours_vs_cublas")}
-    return out
+    bench_name, activation, theirs, kernel = GEMM_TABLES[table]
+    bench = importlib.import_module(f"benchmarks.{bench_name}")
+    rows = [bench.measure(M, K, N, activation, variants=(theirs,), launches=False) for M, K, N in SHAPES]
+    points = [{"M": r["shape"][0], "K": r["shape"][1], "N": r["shape"][2],
+               "speedup": round(r[f"ours_vs_{theirs}"], 4), "ours_us": round(r["ms"]["ours"] * 1e3, 2),
+               "theirs_us": round(r["ms"][theirs] * 1e3, 2)} for r in rows]
+    return {"source": cm.source_hash(importlib.import_module(f"kpt_compiler.kernels.{kernel}")), "points": points}
 
 
 def _dispatch_case(M: int, K: int, prefix: str) -> dict:
@@ -208,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.out) / cm.calibration_file(props.name, (props.major, props.minor))
     measures = {"horizontal": measure_horizontal, "host": measure_host, "ceilings": measure_ceilings}
     for table in tables:  # written after each table, so a run cut short keeps what it measured
-        measured = measures[table]() if table in measures else measure_gemm_tables([table])[table]
+        measured = measures[table]() if table in measures else measure_gemm_table(table)
         old = json.loads(path.read_text()) if path.exists() else None
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(merge(old, device, run, {table: measured}), indent=1) + "\n")

@@ -1,9 +1,9 @@
 """Compile options: one validated, frozen object built from ``torch.compile(..., mode=, options=)``.
 
-Every options class here and in the passes is a frozen dataclass. ``build_options`` turns a user's dict into
-one, checking each key and value against the dataclass's fields and type hints, so that a typo or a wrong type
-fails with a message that names the key, what was given and what is allowed. A pass's ``__post_init__`` adds
-the checks that types alone cannot express.
+Every options class here and in the passes is a frozen dataclass, built from the user's dict by
+``typed_options.build_options`` (errors that name the key, what was given and what is allowed). This module
+resolves the whole dict: top-level keys, each pass's setting from its own key and its group's, ``disable``
+and ``pipeline`` (refusing contradictions), and the environment variables.
 
 Passes are looked up in the registry (``kpt_compiler.registry``); this module imports nothing from the
 pipeline, the pass manager or the target.
@@ -11,16 +11,14 @@ pipeline, the pass manager or the target.
 
 from __future__ import annotations
 
-import collections.abc
 import dataclasses
-import difflib
 import os
 import types
-import typing
 from typing import Any, Literal, Mapping
 
 from .errors import OptionError
-from .registry import registered_groups, registered_passes
+from .registry import expand_groups, registered_groups, registered_passes
+from .typed_options import build_options, coerce, describe_type, options_to_dict, unknown_key_error
 
 __all__ = ["OptionError", "CompileOptions", "build_options", "parse_options", "MODES"]
 
@@ -32,115 +30,6 @@ ENV_DISABLE = "KPT_DISABLE"  # comma-separated pass names to switch off, for bis
 ENV_STRICT = "KPT_STRICT"  # 1/true/yes/on: a failing pass raises instead of stepping aside (0/false/no/off: not)
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _MISSING = object()
-
-
-def _closest(key: str, valid: list[str]) -> str:
-    near = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    return f"; did you mean {near[0]!r}?" if near else ""
-
-
-def unknown_key_error(key: str, valid: list[str], where: str) -> OptionError:
-    return OptionError(
-        f"unknown option {key!r} in {where}{_closest(key, valid)} Valid options: {', '.join(sorted(valid))}."
-    )
-
-
-def _describe_type(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " or ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe_type(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "None"
-    if origin in (tuple, list):
-        args = typing.get_args(tp)
-        return f"a list of {_describe_type(args[0])}" if args else "a list"
-    if origin in (dict, collections.abc.Mapping) or tp is dict:
-        return "a dict"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
-    """Return (ok, value converted to the field's type) for the simple types options use."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True, value
-    if origin is Literal:
-        return (value in typing.get_args(tp)), value
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(tp):
-            ok, v = _coerce(value, arg)
-            if ok:
-                return True, v
-        return False, value
-    if tp is type(None):
-        return value is None, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
-    if tp is str:
-        return isinstance(value, str), value
-    if origin in (tuple, list):
-        if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            return False, value
-        (arg, *_rest) = typing.get_args(tp) or (Any,)
-        out = []
-        for item in value:
-            ok, v = _coerce(item, arg)
-            if not ok:
-                return False, value
-            out.append(v)
-        return True, tuple(out)
-    if origin in (dict, collections.abc.Mapping) or tp is dict:
-        return isinstance(value, Mapping), types.MappingProxyType(dict(value)) if isinstance(value, Mapping) else value
-    return isinstance(value, tp), value
-
-
-def build_options(cls: type, given: Mapping[str, Any] | None, where: str) -> Any:
-    """Build the frozen dataclass ``cls`` from a user's dict, with errors that name the key (see module doc)."""
-    given = dict(given or {})
-    if not isinstance(given, dict):
-        raise OptionError(f"{where} must be a dict, got {type(given).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in given.items():
-        name = key.replace("-", "_") if isinstance(key, str) else key
-        if name not in fields:
-            raise unknown_key_error(str(key), list(fields), where)
-        ok, converted = _coerce(value, hints[name])
-        if not ok:
-            raise OptionError(
-                f"option {key!r} in {where} must be {_describe_type(hints[name])}; got {value!r}"
-                f" ({type(value).__name__})"
-            )
-        kwargs[name] = converted
-    try:
-        return cls(**kwargs)
-    except OptionError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise OptionError(f"{where}: {e}") from e
-
-
-def options_to_dict(obj: Any) -> dict[str, Any]:
-    """The inverse of build_options: a plain dict that builds the same object again."""
-    out = {}
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        if dataclasses.is_dataclass(v):
-            v = options_to_dict(v)
-        elif isinstance(v, Mapping):
-            v = {k: options_to_dict(x) if dataclasses.is_dataclass(x) else x for k, x in v.items()}
-        elif isinstance(v, tuple):
-            v = list(v)
-        out[f.name] = v
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,12 +131,7 @@ _TOP_LEVEL = [f.name for f in dataclasses.fields(CompileOptions) if f.name not i
 
 
 def _expand(names) -> set[str]:
-    """Pass names, with each group name standing for its members."""
-    groups = registered_groups()
-    out: set[str] = set()
-    for n in names:
-        out |= set(groups[n].members) if n in groups else {n}
-    return out
+    return set(expand_groups(names))
 
 
 def _env_flag(name: str) -> bool | None:
@@ -271,11 +155,11 @@ def _check_inductor_value(config, key: str, value: Any) -> None:
     if expected is None or expected is type(None):  # no annotation: the type of a None default says nothing
         return
     try:
-        ok, _ = _coerce(value, expected)
+        ok, _ = coerce(value, expected)
     except TypeError:  # a type isinstance cannot check (Callable, generics): Inductor checks it itself
         return
     if not ok:
-        raise OptionError(f"option {key!r} in options['inductor'] must be {_describe_type(expected)} (the type of "
+        raise OptionError(f"option {key!r} in options['inductor'] must be {describe_type(expected)} (the type of "
                           f"torch._inductor.config.{key}); got {value!r} ({type(value).__name__})")
 
 
@@ -366,7 +250,7 @@ def _enable_the_named_pipeline(top: dict, passes: dict, pass_given: dict, group_
             setting = passes[name]
             if setting.enabled:
                 continue
-            if name == entry and not setting.enabled and (name in pass_given or setting.key is not None):
+            if name == entry and (name in pass_given or setting.key is not None):
                 key = name.replace("-", "_") if name in pass_given else setting.key
                 raise OptionError(f"options['pipeline'] names {entry!r} and options[{key!r}] switches it off: "
                                   "give one of them")

@@ -145,8 +145,7 @@ class PassManager:
         return record
 
     def _enabled(self, spec: GraphPass) -> bool:
-        return self.options.pass_enabled(spec.name) and not spec.unsupported_reason(
-            self.target, self.options.pass_options(spec.name))
+        return self._why_not(spec) is None
 
     def _context(self, spec: GraphPass, stage: str, is_inference: bool, inputs: Callable[[], list],
                  allowed: frozenset[str] | None = None, graph_module: fx.GraphModule | None = None) -> PassContext:
@@ -154,17 +153,20 @@ class PassManager:
                            is_inference=is_inference, mode=self.options.mode, codegen=self.codegen,
                            cost_model=self.cost_model, allowed=allowed, inputs_fn=inputs, graph_module=graph_module)
 
-    def _skip_reason(self, spec: GraphPass, rec: PassRecord) -> bool:
-        """Fill ``rec`` and say so when the pass does not run at all (switched off, or not for this target)."""
+    def _why_not(self, spec: GraphPass) -> tuple[str, str] | None:
+        """(status, reason) when the pass does not run at all (switched off, or not for this target), else None."""
         if not self.options.pass_enabled(spec.name):
             by_env = self.options.disabled_by_env(spec.name)
-            rec.status, rec.reason = "disabled", "switched off by KPT_DISABLE" if by_env else "switched off by the options"
-            return True
+            return "disabled", "switched off by KPT_DISABLE" if by_env else "switched off by the options"
         reason = spec.unsupported_reason(self.target, self.options.pass_options(spec.name))
-        if reason:
-            rec.status, rec.reason = "skipped", reason
-            return True
-        return False
+        return ("skipped", reason) if reason else None
+
+    def _skip_reason(self, spec: GraphPass, rec: PassRecord) -> bool:
+        """Fill ``rec`` and say so when the pass does not run at all."""
+        why = self._why_not(spec)
+        if why is not None:
+            rec.status, rec.reason = why
+        return why is not None
 
     def _run_pass(self, spec: GraphPass, gm, stage, is_inference, code_before, inputs, guard):
         rec = PassRecord(name=spec.name, stage=stage, status="unchanged")
@@ -248,8 +250,8 @@ class PassManager:
         (``strict=True`` raises instead).
         """
         passes = [spec for spec in self.pipeline if spec.stage == "wrap"]
-        if not any(self.options.pass_enabled(spec.name) for spec in passes):
-            return compiled  # no wrap stage in the report unless one of its passes is on
+        if not any(self._enabled(spec) for spec in passes):
+            return compiled  # no wrap stage in the report unless one of its passes runs
         start = time.perf_counter()
         record = self.report.stages["wrap"] = StageRecord(stage="wrap", is_inference=is_inference)
         for spec in passes:

@@ -3,14 +3,14 @@
 The pipeline is a flat list. Passes run in this order within each stage (stages in the order of
 ``registry.STAGES``); one comment per entry says why it sits where it does. Passes registered elsewhere (a
 user's, a test's) run after these, in registration order. ``options["pipeline"]`` replaces the list (it may
-name groups, which stand for their members in this order).
+name groups, which stand for their members in the order the group declares them).
 """
 
 from __future__ import annotations
 
 from . import passes as _builtin_passes  # noqa: F401  (importing registers the built-in passes and groups)
 from .options import CompileOptions
-from .registry import STAGES, GraphPass, registered_groups, registered_passes
+from .registry import STAGES, GraphPass, expand_groups, registered_passes
 from .target import Target
 
 __all__ = ["DEFAULT_PIPELINE", "resolve_pipeline", "describe_pipeline"]
@@ -27,23 +27,10 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
 )
 
 
-def _expand(names: list[str]) -> list[str]:
-    """Pass names, with each group name replaced by its members in the default order."""
-    groups = registered_groups()
-    order = {n: i for i, n in enumerate(DEFAULT_PIPELINE)}
-    out: list[str] = []
-    for n in names:
-        if n in groups:
-            out += sorted(groups[n].members, key=lambda m: order.get(m, len(order)))
-        else:
-            out.append(n)
-    return out
-
-
 def resolve_pipeline(options: CompileOptions) -> list[GraphPass]:
     registry = registered_passes()
     if options.pipeline is not None:
-        names = _expand([n.replace("_", "-") for n in options.pipeline])
+        names = expand_groups([n.replace("_", "-") for n in options.pipeline])
     else:
         names = list(DEFAULT_PIPELINE) + [n for n in registry if n not in DEFAULT_PIPELINE]
     return [registry[n] for n in names if n in registry]

@@ -39,6 +39,7 @@ __all__ = [
     "registered_passes",
     "register_group",
     "registered_groups",
+    "expand_groups",
 ]
 
 # Stages, in the order a compile meets them:
@@ -247,3 +248,14 @@ def register_group(group: PassGroup) -> PassGroup:
 def registered_groups() -> dict[str, PassGroup]:
     """Every registered group by name; a group's members need not all be registered (a test may drop one)."""
     return dict(_GROUPS)
+
+
+def expand_groups(names) -> list[str]:
+    """Pass names, each group's name replaced by its members in the order the group declares them (repeats
+    dropped, the first kept)."""
+    out: list[str] = []
+    for n in names:
+        for m in _GROUPS[n].members if n in _GROUPS else (n,):
+            if m not in out:
+                out.append(m)
+    return out

@@ -175,7 +175,7 @@ def ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes
         ctx.near_miss(f"{node.name}: {kind} not faster here ({d.why})")
     else:
         ctx.note(f"{node.name}: {kind} {n}x{shapes} ({d.why})")
-        fallback = reference_reason(ctx, v.dtype, norm=kind.startswith("add_")) if _is_kernel(source) else None
+        fallback = reference_reason(v, source) if _is_kernel(source) else None
         if fallback:
             ctx.note(f"{node.name}: {kind} will run its eager reference here, not our kernel: {fallback}")
     return d.rewrite
@@ -186,27 +186,30 @@ def _is_kernel(source: Any) -> bool:
     return getattr(source, "__name__", "").startswith("kpt_compiler.kernels.")
 
 
-def reference_reason(ctx: PassContext, dtype: torch.dtype, norm: bool = False) -> str | None:
-    """Why a fused op will run its eager reference instead of its Triton kernel on this target (None: it runs
-    the kernel), by the rule the kernels dispatch with (kernels/_launch.kernel_runs)."""
+def reference_reason(x: torch.Tensor, kernel) -> str | None:
+    """Why ``kernel``'s op will run its eager reference for inputs like ``x`` (the graph's fake tensor, on the
+    target's device) instead of its Triton kernel; None where the kernel runs. The answer is the kernels' own
+    (``_launch.kernel_runs``); the text says which of its conditions failed."""
     from kpt_compiler.kernels import _launch
     from kpt_compiler.kernels._gemm_common import GEMM_DTYPES
     from kpt_compiler.kernels._norm_common import SUPPORTED_DTYPES
 
-    dtypes = SUPPORTED_DTYPES if norm else GEMM_DTYPES
-    device = ctx.target.device
+    gemm = "_gemm_common" in getattr(kernel, "SOURCE_MODULES", ())
+    dtypes = GEMM_DTYPES if gemm else SUPPORTED_DTYPES
+    if _launch.kernel_runs(x, dtypes, needs_3_6_interpreter=gemm):
+        return None
     if not _launch.HAVE_TRITON:
         return "triton is not installed"
-    if dtype not in dtypes:
+    if x.dtype not in dtypes:
         return f"the kernel takes {', '.join(str(d).replace('torch.', '') for d in dtypes)}, not " \
-               f"{str(dtype).replace('torch.', '')}"
-    if device == "cuda":
-        return "the kernels were loaded for Triton's interpreter (TRITON_INTERPRET=1)" if _launch.INTERPRETED else None
-    if device == "cpu":
-        if not _launch.INTERPRETED or os.environ.get("TRITON_INTERPRET") != "1":
-            return "on the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 before importing)"
-        return None if norm or _launch.INTERPRETER_OK else "triton < 3.6's interpreter cannot run the GEMM kernels"
-    return f"the kernels run on cuda (and the CPU's interpreter), not {device}"
+               f"{str(x.dtype).replace('torch.', '')}"
+    if x.is_cuda:
+        return "the kernels were loaded for Triton's interpreter (TRITON_INTERPRET=1)"
+    if x.device.type == "cpu":
+        if _launch.INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1":
+            return "triton < 3.6's interpreter cannot run the GEMM kernels"
+        return "on the CPU the kernels run only in Triton's interpreter (TRITON_INTERPRET=1 before importing)"
+    return f"the kernels run on cuda (and the CPU's interpreter), not {x.device.type}"
 
 
 def bytes_baseline(device, nbytes: int) -> Callable[[], float]:
@@ -223,10 +226,10 @@ def gemm_baseline(device, n: int, K: int, Ns: list[int], dtype, epilogue_bytes: 
     """Inductor at its best, for ``decide="measure"``: the cuBLAS GEMMs, then its fused epilogue at this card's
     copy bandwidth."""
     def ms():
-        from kpt_compiler.bench import copy_bandwidth, median_ms
+        from kpt_compiler.bench import median_ms
 
         x = torch.randn(n, K, device=device, dtype=dtype)
         ws = [torch.randn(m, K, device=device, dtype=dtype) for m in Ns]
         gemm = median_ms(lambda: [F.linear(x, w) for w in ws], device.type, warmup_ms=25, rep_ms=100)
-        return gemm + epilogue_bytes / (copy_bandwidth(device=device.type) * 1e12) * 1e3
+        return gemm + bytes_baseline(device, epilogue_bytes)()
     return ms

@@ -238,3 +238,21 @@ def test_calibration_files_merge_tables_and_keep_each_entrys_run():
     assert third["ceilings"]["run"] == 1 and third["device_time"]["gated_linear"]["bfloat16"]["points"][0]["run"] == 0
     with pytest.raises(ValueError, match="this card is"):
         merge(third, {"name": "NVIDIA H200", "capability": [9, 0]}, first, {})
+
+
+def test_a_gemm_table_takes_the_bench_ratio_against_what_it_names(monkeypatch):
+    """calibrate's GEMM tables from the benches' rows (their measuring needs a GPU; the plumbing does not)."""
+    from benchmarks import bench_linear_epilogue, calibrate
+    from kpt_compiler import cost_model as cm
+    from kpt_compiler.kernels import linear_epilogue
+
+    def measure(M, K, N, act, variants, launches):
+        assert variants == ("cublas",) and act == "none" and launches is False
+        return {"shape": [M, K, N], "ms": {"ours": 0.002, "cublas": 0.001}, "ours_vs_cublas": 0.5}
+
+    monkeypatch.setattr(bench_linear_epilogue, "measure", measure)
+    table = calibrate.measure_gemm_table("linear_epilogue_vs_gemm")
+    assert table["source"] == cm.source_hash(linear_epilogue)
+    assert [(p["M"], p["K"], p["N"]) for p in table["points"]] == [tuple(s) for s in bench_linear_epilogue.SHAPES]
+    first = table["points"][0]
+    assert (first["speedup"], first["ours_us"], first["theirs_us"]) == (0.5, 2.0, 1.0)

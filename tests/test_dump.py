@@ -1,7 +1,6 @@
 """Dumps: files per graph and stage, diffs that match what a pass did, runnable code, summary and report."""
 
 import json
-import os
 import subprocess
 import sys
 

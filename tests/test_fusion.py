@@ -205,6 +205,9 @@ def test_each_rule_is_a_pass_of_its_own_and_the_group_switches_them_all():
         return {r.name: r.status for r in kpt_compiler.last_report().passes("pre_aot") if r.name in FUSION}
 
     assert list(statuses({})) == list(FUSION)  # on by default, each its own record, in the pipeline's order
+    # pipeline=["fusion"] runs the members in the group's order: the default pipeline's
+    members = kpt_compiler.registered_groups()["fusion"].members
+    assert list(members) == [n for n in kpt_compiler.DEFAULT_PIPELINE if n in members]
     assert set(statuses({"fusion": False}).values()) == {"disabled"}
     assert set(statuses({"disable": ["fusion"]}).values()) == {"disabled"}
     one_off = statuses({"fuse_linear_epilogue": {"decide": "always"}, "disable": ["fuse-gated-linear"]})

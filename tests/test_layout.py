@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import networkx as nx
-import pytest
 
 import kpt_compiler
 import kpt_compiler.kernels
