@@ -15,6 +15,15 @@ attention (Gemma-2's tanh(s / 30) * 30) and causal ALiBi (slope_h * (j - i)), wh
 takes only as a dense mask: the hand-written form under Inductor and under kernelpytorch, against
 torch.compile(flex_attention) called directly with the same score_mod and mask, and (window, ALiBi) SDPA with the
 dense mask.
+
+A third table takes the mask forms models hand to F.scaled_dot_product_attention: the all-true boolean mask
+transformers 5.17 builds for BERT and ViT (expanded, its last stride 0) and the same mask made contiguous; no mask;
+a key-padding boolean mask expanded from the input; and T5's learned relative-position bias, table[bucket] of shape
+[L, S, H] permuted to [1, H, L, S] (last stride H; buckets here are the clamped distance j - i), and the same bias
+made contiguous. For each it names the backend SDPA's dispatcher picks (torch._fused_sdp_choice) under the priority
+cuDNN, flash, efficient, math, times that SDPA call under the same priority, and times the same attention written
+by hand (a boolean mask by masked_fill(~m, -inf), an additive one added; softmax in float32) under
+torch.compile(dynamic=False), i.e. Inductor, with the ratio of the two.
 """
 
 from __future__ import annotations
@@ -123,6 +132,78 @@ def _flex_rows() -> list[dict]:
     return rows
 
 
+_BERT, _VIT, _T5 = (32, 12, 512, 64), (64, 12, 197, 64), (16, 12, 512, 64)
+MASK_FORM_CASES = [  # (form, (B, H, L, D))
+    *[(form, shape) for form in ("all-true bool, expanded (transformers 5.17 BERT/ViT)", "all-true bool, contiguous",
+                                 "no mask") for shape in (_BERT, _VIT)],
+    ("padding bool, expanded from the input", _BERT),
+    ("T5 relative-position bias, [L,S,H] permuted", _T5),
+    ("T5 relative-position bias, contiguous", _T5),
+]
+
+
+def t5_bias(table: torch.Tensor, L: int, S: int) -> torch.Tensor:
+    """table[bucket] ([L, S, H]) permuted to [1, H, L, S] as T5 builds its position bias: last stride H, not 1."""
+    n = table.shape[0]
+    rel = torch.arange(S, device=table.device)[None, :] - torch.arange(L, device=table.device)[:, None]
+    return table[rel.clamp(-(n // 2), n // 2 - 1) + n // 2].permute(2, 0, 1).unsqueeze(0)
+
+
+def mask_form(form: str, B: int, H: int, L: int, device, generator=None):
+    """The attn_mask (None, bool, or bf16 additive) and SDPA scale (None: D ** -0.5) of one MASK_FORM_CASES form."""
+    if form.startswith("all-true"):
+        mask = (torch.arange(L, device=device)[None, None, :, None] >= 0).expand(B, 1, L, L)
+    elif form.startswith("padding"):  # half the batch rows padded beyond L / 2
+        keep = torch.ones(B, L, dtype=torch.bool, device=device)
+        keep[B // 2:, L // 2:] = False
+        mask = keep[:, None, None, :].expand(B, 1, L, L)
+    elif form.startswith("T5"):  # T5 does not scale its scores
+        table = torch.randn(32, H, device=device, dtype=torch.bfloat16, generator=generator)
+        return (t5_bias(table, L, L).contiguous() if "contiguous" in form else t5_bias(table, L, L)), 1.0
+    else:
+        return None, None
+    return (mask.contiguous() if "contiguous" in form else mask), None
+
+
+def hand_written_masked(q, k, v, mask, scale):
+    scores = q @ k.transpose(-2, -1) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _mask_form_rows() -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    rows = []
+    for form, (B, H, L, D) in MASK_FORM_CASES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+        mask, scale = mask_form(form, B, H, L, "cuda", g)
+        times, note = {}, ""
+        with sdpa_kernel(order, set_priority=True):
+            picked = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, False, scale=scale)).name
+            sdpa = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # noqa: E731
+            try:
+                sdpa()
+                times["sdpa"] = median_ms(sdpa, "cuda")
+            except RuntimeError as e:  # keep the run: the other rows and tables still get written
+                times["sdpa"], note = None, str(e).splitlines()[0][:200]
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v, m: hand_written_masked(q, k, v, m, scale), dynamic=False)
+        with torch.no_grad():
+            compiled(q, k, v, mask)
+            times["inductor"] = median_ms(lambda: compiled(q, k, v, mask), "cuda")
+        rows.append({"shape": [B, H, L, D], "form": form,
+                     "mask_shape": None if mask is None else list(mask.shape),
+                     "mask_stride": None if mask is None else list(mask.stride()), "backend": picked, "ms": times,
+                     "sdpa_vs_inductor": times["inductor"] / times["sdpa"] if times["sdpa"] else None, "note": note})
+        print(f"{form} {B}x{H}x{L}x{D}: {picked} " + "  ".join(
+            f"{n} {t:.3f}ms" if t else f"{n} failed" for n, t in times.items()), flush=True)
+    return rows
+
+
 def _time_compiled(fn, q, k, v, times: dict):
     """Time ``fn`` compiled by Inductor and by kernelpytorch into ``times``; the latter and its attention record."""
     import kpt_compiler
@@ -202,13 +283,24 @@ def main(argv=None) -> int:
         lines.append(f"| {','.join(map(str, r['shape']))} | {r['form']} | {tf['flex (direct)']:.0f} | {dense} | "
                      f"{tf['inductor']:.0f} | {tf['kpt']:.0f} | {r['kpt_vs_flex']:.0%} | {r['kpt_vs_inductor']:.2f}x | "
                      f"{r['rel_err']:.1e} |")
+    mask_rows = _mask_form_rows()
+    lines += ["", "Mask forms handed to SDPA, bf16 forward, ms; the backend SDPA picks under the priority cuDNN, "
+              "flash, efficient, math:", "",
+              "| form | B,H,L,D | mask shape / strides | backend picked | SDPA ms | Inductor (hand-written) ms "
+              "| Inductor / SDPA |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in mask_rows:
+        m = "-" if r["mask_shape"] is None else f"{r['mask_shape']} / {r['mask_stride']}"
+        sdpa = f"{r['ms']['sdpa']:.3f}" if r["ms"]["sdpa"] else f"failed: {r['note'].replace('|', '/')}"
+        ratio = f"{r['sdpa_vs_inductor']:.2f}x" if r["sdpa_vs_inductor"] else "-"
+        lines.append(f"| {r['form']} | {','.join(map(str, r['shape']))} | {m} | {r['backend']} | {sdpa} | "
+                     f"{r['ms']['inductor']:.3f} | {ratio} |")
     table = "\n".join(lines)
     print(table)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
             json.dump({"card": card, "torch": torch.__version__, "date": str(datetime.date.today()), "rows": rows,
-                       "flex_rows": flex_rows}, f, indent=1)
+                       "flex_rows": flex_rows, "mask_form_rows": mask_rows}, f, indent=1)
         with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
             f.write(table + "\n")
     return 0

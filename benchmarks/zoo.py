@@ -45,7 +45,13 @@ CUDA_ZOO: tuple[Entry, ...] = (
         Case("inference", 1, 64, cudagraphs=True),  # launch-bound: where CUDA graphs matter
         Case("training", 4, 1024),
     )),
-    Entry("gpt2-sdpa", "gpt2", {"attn": "sdpa"}, (Case("inference", 8, 1024, quick=True),)),
+    # transformers' default attention (SDPA), the path most users run
+    Entry("gpt2-sdpa", "gpt2", {"attn": "sdpa"}, (Case("inference", 8, 1024, quick=True), Case("inference", 1, 64))),
+    Entry("bert-sdpa", "bert", {"attn": "sdpa"}, (Case("inference", 32, 512, quick=True),)),
+    Entry("vit-sdpa", "vit", {"attn": "sdpa"}, (Case("inference", 64, 224, quick=True),), image=True),
+    # a learned relative-position bias on the scores, on both paths
+    Entry("t5-encoder-sdpa", "t5-encoder", {"attn": "sdpa"}, (Case("inference", 16, 512, quick=True),)),
+    Entry("t5-encoder-eager", "t5-encoder", {"attn": "eager"}, (Case("inference", 16, 512, quick=True),)),
     Entry("llama-eager", "llama", {"attn": "eager"}, (  # 8 layers, grouped-query attention 16/4
         Case("inference", 8, 1024, quick=True),
         Case("inference", 1, 128, cudagraphs=True),

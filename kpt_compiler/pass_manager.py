@@ -209,10 +209,11 @@ class PassManager:
         rec.stats, rec.notes = dict(ctx.stats), rec.notes + list(ctx.notes)
         rec.matches = ctx.stats.get("matches", 0)
         rec.ops_after = graph_utils.op_counts(gm.graph)
+        # a dispatcher choice holds even where the graph is unchanged (the SDPA priority for calls already there)
+        self.aot_contexts += ctx.aot_contexts
         if not changed:
             return rec, code_before, None
         rec.status = "applied"
-        self.aot_contexts += ctx.aot_contexts
         before = code_before if code_before is not None else graph_utils.readable_code(gm, snap.graph)
         after = graph_utils.readable_code(gm)
         rec.diff = graph_utils.unified_diff(before, after, f"before {spec.name}", f"after {spec.name}")

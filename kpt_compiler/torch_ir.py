@@ -40,6 +40,8 @@ _add("where", ("condition", "input", "other"), torch.where)
 _add("masked_fill", ("input", "mask", "value"), torch.masked_fill, ("method", "masked_fill"))
 _add("softmax", ("input", "dim", "_stacklevel", "dtype"), F.softmax)
 _add("softmax", ("input", "dim", "dtype"), torch.softmax, ("method", "softmax"))
+_add("sdpa", ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+     F.scaled_dot_product_attention)
 _add("dropout", ("input", "p", "training", "inplace"), F.dropout)
 _add("dropout", ("input", "p", "training"), torch.dropout)
 _add("invert", ("input",), operator.invert, torch.logical_not, torch.bitwise_not, ("method", "logical_not"),

@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -43,7 +43,10 @@ from kpt_compiler import torch_ir as ir
 from kpt_compiler.graph_utils import drop_unused
 from kpt_compiler.registry import PassContext, graph_pass
 
-from ._attention_match import Attention, Miss, match
+from . import _attention_gate as gate
+from ._attention_gate import Call
+from ._attention_masks import mask_kind
+from ._attention_match import Attention, Miss, match, scalar
 
 # torch 2.9's fake tensors cannot trace torch.tensor(python floats) inside flex_sdpa (the ALiBi coefficients)
 BIAS_IN_FLEX = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
@@ -57,6 +60,9 @@ class AttentionOptions:
     backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     # Leave attention over fewer key positions than this alone (the fused kernel's fixed cost can lose there).
     min_seq_len: int = 1
+    # "auto": on CUDA, rewrite where SDPA then runs a fused kernel (not its math backend); "measure" (the
+    # default under mode="max-autotune"): time the call on the device against what runs instead; "always"
+    decide: Literal["auto", "measure", "always"] = "auto"
 
     def __post_init__(self):
         if self.min_seq_len < 1:
@@ -69,13 +75,21 @@ def _supports(target, options) -> str | None:
     return None
 
 
-@graph_pass("attention", summary="hand-written attention (matmul, scale, mask, softmax, matmul) -> fused SDPA",
-            stage="pre_aot", options=AttentionOptions, statistics=("matches", "near_misses", "causal", "window", "linear_bias"),
+@graph_pass("attention", summary="attention -> fused SDPA or FlexAttention: hand-written attention rewritten, "
+            "existing SDPA calls' constant masks proven away", stage="pre_aot", options=AttentionOptions,
+            statistics=("matches", "near_misses", "causal", "window", "linear_bias", "sdpa_calls"),
             supports=_supports)
 def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
-    changed, evaluated_masks = False, {}
+    how = "measure" if ctx.options.decide == "auto" and ctx.mode == "max-autotune" else ctx.options.decide
+    run = _Run(gm, ctx, how, _backend_order(ctx))
+    changed = False
     for node in list(gm.graph.nodes):
-        if ir.kind(node) != "softmax" or node.graph is not gm.graph:
+        if node.graph is not gm.graph:
+            continue
+        if ir.kind(node) == "sdpa":
+            changed |= _revisit_sdpa(run, node)
+            continue
+        if ir.kind(node) != "softmax":
             continue
         found = match(node)
         if isinstance(found, Miss):
@@ -85,122 +99,28 @@ def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
         if found.seq_len < ctx.options.min_seq_len:
             ctx.near_miss(f"{node.name}: {found.seq_len} key positions < min_seq_len={ctx.options.min_seq_len}")
             continue
-        changed |= _rewrite(gm, found, ctx, evaluated_masks)
+        changed |= _rewrite(run, found)
     if changed:
         drop_unused(gm.graph, only=lambda n: not ir.depends_on_inputs(n))  # what only the old masks used
-        order = _backend_order(ctx)
-        if order is not None:
-            ctx.note("SDPA backends, in priority order: " + ", ".join(b.name.lower() for b in order))
-            ctx.during_aot(lambda: _sdpa_priority(order))
+    if run.order is not None and any(ir.kind(n) == "sdpa" for n in gm.graph.nodes):
+        ctx.note("SDPA backends, in priority order: " + ", ".join(b.name.lower() for b in run.order))
+        ctx.during_aot(lambda: _sdpa_priority(run.order))
     return changed
 
 
-# ---------------------------------------------------------------------------------------------- rewriting
-
-
 @dataclasses.dataclass
-class _MaskForm:
-    """What the masks amount to, when they depend on no input: "none"; "causal" (the top-left lower
-    triangle); "window" (a causal sliding window of ``window`` positions); "tensor" (anything else, kept as a
-    dense mask). ``bias``: an additive bias linear in the positions (ALiBi), (a_h, b_h, c_h) per head for
-    a_h * j + b_h * i + c_h, on top of what is allowed; ``bias_dtype`` the dtype it was computed in."""
+class _Run:
+    """One run of the pass over a graph: what every rewrite needs."""
 
-    kind: str
-    window: int | None = None
-    bias: tuple[tuple[float, float, float], ...] | None = None
-    bias_dtype: torch.dtype | None = None
-    failed: str | None = None  # why a mask that depends on no input could not be computed at compile time
+    gm: fx.GraphModule
+    ctx: PassContext
+    how: str  # the decide answer in effect
+    order: list | None  # the SDPA backend priority the trace runs under (None: torch's default)
+    masks: dict = dataclasses.field(default_factory=dict)  # mask node -> its value computed at compile time
+    contiguous: dict = dataclasses.field(default_factory=dict)  # mask node -> its contiguous copy
 
 
-def _mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, cache: dict) -> _MaskForm:
-    allowed, bias = None, None
-    for how, m, fill in masks:
-        why: list[str] = []
-        if m not in cache:
-            # up to 2^28 entries: an ALiBi bias [16 heads, 4096, 4096] is fitted too (larger stays a dense mask)
-            cache[m] = ir.evaluate(gm, m, max_elements=1 << 28, why=why)
-        val = cache[m]
-        if val is None:
-            return _MaskForm("tensor", failed=f"{m.name} ({why[0]})" if why else None)
-        if how == "add":
-            if not val.is_floating_point():
-                return _MaskForm("tensor")
-            # blocked entries must be so negative that exp() makes them exactly 0, as -inf does
-            blocked = val <= torch.finfo(val.dtype).min / 2
-            if not bool(((val == 0) | blocked).all()):  # a real bias (ALiBi, relative position), not just a mask
-                if bias is not None:
-                    return _MaskForm("tensor")
-                bias = val
-            ok = ~blocked
-        else:
-            if val.dtype != torch.bool or fill > torch.finfo(dtype).min / 2:
-                return _MaskForm("tensor")
-            ok = val if how == "keep" else ~val
-        allowed = ok if allowed is None else allowed & ok
-    coefficients = _linear_bias(bias, allowed, heads) if bias is not None else None
-    if bias is not None and coefficients is None:
-        return _MaskForm("tensor")  # a bias FlexAttention would have to read from memory: SDPA does that
-    form = _MaskForm("tensor", bias=coefficients, bias_dtype=bias.dtype if bias is not None else None)
-    if allowed is None or bool(allowed.all()):
-        return dataclasses.replace(form, kind="none")
-    L, S = allowed.shape[-2:]
-    i = torch.arange(L, device=allowed.device)[:, None]
-    j = torch.arange(S, device=allowed.device)[None, :]
-    if bool((allowed == (j <= i)).all()):
-        return dataclasses.replace(form, kind="causal")
-    window = int(allowed[..., -1, :].sum(-1).max())  # the last row sees the whole window
-    if L == S and bool((allowed == ((j <= i) & (i - j < window))).all()):
-        return dataclasses.replace(form, kind="window", window=window)
-    return _MaskForm("tensor")
-
-
-def _linear_bias(bias: torch.Tensor, allowed: torch.Tensor | None, heads: int):
-    """(a_h, b_h, c_h) per head with bias[h, i, j] == a_h * j + b_h * i + c_h (to the bias dtype's rounding)
-    wherever attention is allowed, or None. Batch dims must not matter; heads come third from last."""
-    if bias.dim() > 3 and any(s != 1 for s in bias.shape[:-3]):
-        return None
-    # evaluated where the model lives: checked there on CUDA (16M entries per head at 4096 positions), else on
-    # a CPU copy; the least-squares fit itself runs on the CPU (its gelsd driver has no CUDA kernel)
-    if bias.device.type not in ("cpu", "cuda"):
-        bias, allowed = bias.cpu(), allowed.cpu() if allowed is not None else None
-    device = bias.device
-    b = bias.reshape(*([1] * max(0, 3 - bias.dim())), *bias.shape[-3:])
-    if b.shape[0] not in (1, heads):
-        return None
-    rows, cols = b.shape[-2:]
-    ok = None
-    if allowed is not None:  # allowed is the same for every batch and head here (causal, window or all)
-        ok = allowed.reshape(-1, *allowed.shape[-2:])[0]
-        rows, cols = max(rows, ok.shape[-2]), max(cols, ok.shape[-1])
-    if rows * cols > 1 << 24:
-        return None
-    compute = torch.float64 if bias.dtype.itemsize > 2 else torch.float32  # see the check below
-    i = torch.arange(rows, dtype=compute, device=device)[:, None]
-    j = torch.arange(cols, dtype=compute, device=device)[None, :]
-    ok = torch.ones(rows, cols, dtype=torch.bool, device=device) if ok is None else ok.to(device).expand(rows, cols)
-    where = ok.nonzero()
-    if len(where) == 0:
-        return None
-    sample = where[:: max(1, len(where) // 4096)]  # fit on a sample, check everywhere
-    eps = torch.finfo(bias.dtype).eps
-    coefficients = []
-    x = torch.stack([sample[:, 1], sample[:, 0], torch.ones_like(sample[:, 0])], -1).cpu().double()
-    for h in range(b.shape[0]):
-        y = b[h].expand(rows, cols)[sample[:, 0], sample[:, 1]].cpu().double()
-        # weighted by 1 / |value|: a low-precision bias is rounded relative to its size, so large entries
-        # (far from the diagonal, rounded by up to 8 in bfloat16 at 4096 positions) must not pull the fit
-        weight = 1 / y.abs().clamp_min(max(1e-3 * y.abs().max().item(), 1e-30))
-        fit = torch.linalg.lstsq(x * weight[:, None], (y * weight).unsqueeze(-1), driver="gelsd")
-        a_h, b_h, c_h = fit.solution.squeeze(-1).tolist()
-        # checked at every allowed entry, in float32 for 16-bit biases (its rounding is far below theirs):
-        # |expected - bias| <= 2 eps (|bias| + 1), with no boolean indexing (16M entries per head at 4096)
-        expected = torch.add(j * a_h, i, alpha=b_h).add_(c_h).to(bias.dtype).to(compute)
-        actual = b[h].to(compute).expand(rows, cols)
-        excess = expected.sub_(actual).abs_().sub_(actual.abs().add_(1).mul_(2 * eps))
-        if bool((excess > 0).logical_and_(ok).any()):
-            return None  # not linear in the positions: a learned relative-position table, say
-        coefficients.append((a_h, b_h, c_h))
-    return tuple(coefficients * heads if len(coefficients) == 1 else coefficients)
+# ---------------------------------------------------------------------------------------------- rewriting
 
 
 def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node) -> fx.Node:
@@ -222,10 +142,10 @@ def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node)
     return total
 
 
-def _rewrite(gm: fx.GraphModule, a: Attention, ctx: PassContext, cache: dict) -> bool:
-    graph = gm.graph
+def _rewrite(run: _Run, a: Attention) -> bool:
+    gm, ctx, graph = run.gm, run.ctx, run.gm.graph
     dtype = ir.example_value(a.q).dtype
-    form = _mask_kind(gm, a.masks, dtype, ir.example_value(a.softmax).shape[-3], cache)
+    form = mask_kind(gm, a.masks, dtype, ir.example_value(a.softmax).shape[-3], run.masks)
     if form.failed:
         ctx.note(f"{a.softmax.name}: the mask depends on no input but could not be computed at compile time, so "
                  f"it stays a dense mask (not proven causal): {form.failed}")
@@ -234,28 +154,25 @@ def _rewrite(gm: fx.GraphModule, a: Attention, ctx: PassContext, cache: dict) ->
     # make fast (a sliding window: SDPA reads a dense mask and skips nothing); SDPA with the exact dense mask
     # where FlexAttention cannot go.
     wants_flex = a.softcap is not None or kind == "window" or form.bias is not None
-    flex_why = _flex_unsupported(a, kind, ctx) if wants_flex else "not needed"
+    flex_why = _flex_unsupported(ctx, a.q, a.k if a.k is not None else a.kt, a.dropout, kind) if wants_flex \
+        else "not needed"
     if not flex_why and form.bias is not None and BIAS_IN_FLEX is False:
         flex_why = "on torch < 2.11 (its tracer cannot build the bias coefficients in the graph)"
     if a.softcap is not None and flex_why:
         ctx.near_miss(f"{a.softmax.name}: soft-capped attention {flex_why}")
         return False
+    before = set(graph.nodes)
     with graph.inserting_before(a.out):
         key = a.k if a.k is not None else ir.emit(graph, torch.transpose, (a.kt, -2, -1), like=a.softmax)
         if not flex_why:
-            from kpt_compiler.kernels.flex_attention import flex_sdpa
-
-            # The output looks like SDPA's; computing it through the higher-order op would trace its autograd.
-            fused = ir.emit(graph, flex_sdpa, (a.q, key, a.v),
-                            {"scale": a.scale, "softcap": a.softcap, "causal": kind == "causal", "window": window,
-                             "bias": form.bias, "bias_dtype": form.bias_dtype},
-                            like=a.softmax, fake_fn=lambda q, k, v, **_: F.scaled_dot_product_attention(q, k, v))
+            fused, why = _emit_flex(graph, a.q, key, a.v, a.scale, a.softcap, kind, window, form, a.softmax), ""
         else:
             dense = kind in ("tensor", "window") or form.bias is not None
             mask = _build_mask(graph, a.masks, dtype, a.softmax) if dense else None
-            fused = ir.emit(graph, F.scaled_dot_product_attention, (a.q, key, a.v),
-                            {"attn_mask": mask, "dropout_p": a.dropout, "is_causal": kind == "causal" and not dense,
-                             "scale": a.scale}, like=a.softmax)
+            fused, why = _gated_sdpa(run, a.softmax, Call(a.q, key, a.v, mask, a.dropout,
+                                                          kind == "causal" and not dense, a.scale), None, before)
+            if fused is None:
+                return False
     a.out.replace_all_uses_with(fused)
     for node in reversed(a.chain):
         if not node.users:
@@ -273,11 +190,122 @@ def _rewrite(gm: fx.GraphModule, a: Attention, ctx: PassContext, cache: dict) ->
     if form.bias is not None and not flex_why:
         ctx.count("linear_bias")
         cap += "position bias a*j + b*i + c (ALiBi) as score_mod, "
-    ctx.note(f"{a.softmax.name}: {how}{cap}{detail}, scale {a.scale:.4g}, dropout {a.dropout:g}")
+    ctx.note(f"{a.softmax.name}: {how}{cap}{detail}, scale {a.scale:.4g}, dropout {a.dropout:g}{why}")
     return True
 
 
-def _flex_unsupported(a: Attention, kind: str, ctx: PassContext) -> str | None:
+def _emit_flex(graph, q, key, v, scale, softcap, kind, window, form, like) -> fx.Node:
+    from kpt_compiler.kernels.flex_attention import flex_sdpa
+
+    # The output looks like SDPA's; computing it through the higher-order op would trace its autograd.
+    return ir.emit(graph, flex_sdpa, (q, key, v),
+                   {"scale": scale, "softcap": softcap, "causal": kind == "causal", "window": window,
+                    "bias": form.bias, "bias_dtype": form.bias_dtype},
+                   like=like, fake_fn=lambda q, k, v, **_: F.scaled_dot_product_attention(q, k, v))
+
+
+def _gated_sdpa(run: _Run, at: fx.Node, planned: Call, original: Call | None,
+                before: set) -> tuple[fx.Node | None, str]:
+    """Emit ``planned`` (at the insertion point) if the gate takes it, with its mask's last dimension made
+    dense where the fused kernels need that; else erase what was emitted for it (every node not in
+    ``before``), record the near miss and return None. Also returns the gate's reason for the note."""
+    graph, ctx = run.gm.graph, run.ctx
+    if planned.mask is not None:
+        planned.mask = _dense_last_dim(run, planned.mask)
+    d = gate.decide(ctx, run.how, at.name, planned, original, run.order)
+    if not d.rewrite:
+        for node in reversed([n for n in graph.nodes if n not in before]):
+            if not node.users:
+                graph.erase_node(node)
+        run.contiguous = {m: c for m, c in run.contiguous.items() if c in before}
+        ctx.near_miss(f"{at.name}: not faster here ({d.why})")
+        return None, ""
+    kwargs = {"attn_mask": planned.mask, "dropout_p": planned.dropout, "is_causal": planned.causal,
+              "scale": planned.scale}
+    if planned.gqa:
+        kwargs["enable_gqa"] = True
+    fused = ir.emit(graph, F.scaled_dot_product_attention, (planned.q, planned.k, planned.v), kwargs, like=at)
+    return fused, f" ({d.why})" if d.why and run.how != "always" else ""
+
+
+def _dense_last_dim(run: _Run, mask: fx.Node) -> fx.Node:
+    """On CUDA, ``mask`` itself if its last dimension has stride 1, else one contiguous copy of it (made once
+    per mask, right after it, for every call that reads it): every fused SDPA kernel needs stride 1 there."""
+    val = ir.example_value(mask)
+    if not run.ctx.target.is_cuda or val.dim() == 0 or not isinstance(val.stride(-1), int) or val.stride(-1) == 1 \
+            or val.shape[-1] == 1:
+        return mask
+    if mask not in run.contiguous:
+        with run.gm.graph.inserting_after(mask):
+            run.contiguous[mask] = ir.emit(run.gm.graph, torch.Tensor.contiguous, (mask,), like=mask)
+        run.ctx.note(f"{mask.name}: the mask's last dimension has stride {val.stride(-1)}; the fused SDPA kernels "
+                     "need 1, so the call reads a contiguous copy")
+    return run.contiguous[mask]
+
+
+def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
+    """An SDPA call already in the graph: a mask that depends on no input is computed at compile time and
+    dropped, made ``is_causal`` or a FlexAttention form as for the hand-written form; a mask from the inputs
+    stays exact (its layout made dense where the fused kernels need it)."""
+    gm, ctx = run.gm, run.ctx
+    ctx.count("sdpa_calls")
+    q, k, v = (ir.arg(node, n) for n in ("query", "key", "value"))
+    mask, dropout = ir.arg(node, "attn_mask", None), ir.arg(node, "dropout_p", 0.0)
+    causal, scale, gqa = ir.arg(node, "is_causal", False), ir.arg(node, "scale", None), ir.arg(node, "enable_gqa", False)
+    if not all(isinstance(x, fx.Node) for x in (q, k, v)) or not isinstance(dropout, (int, float)) \
+            or not isinstance(causal, bool) or not isinstance(gqa, bool) or scale is not None and scalar(scale) is None:
+        ctx.near_miss(f"{node.name}: SDPA call with arguments known only at run time")
+        return False
+    scale = scalar(scale) if scale is not None else None
+    original = Call(q, k, v, mask, float(dropout), causal, scale, gqa)
+    if mask is None:
+        ctx.note(f"{node.name}: SDPA call with no mask{' (causal)' if causal else ''}: nothing to prove")
+        return False
+    qv, mv = ir.example_value(q), ir.example_value(mask)
+    planned, found = Call(q, k, v, mask, float(dropout), causal, scale, gqa), "a mask from the inputs (kept exact)"
+    if not ir.depends_on_inputs(mask):
+        masks = [("keep", mask, -math.inf)] if mv.dtype == torch.bool else [("add", mask, None)]
+        form = mask_kind(gm, masks, qv.dtype, qv.shape[-3], run.masks)
+        if form.failed:
+            ctx.note(f"{node.name}: the mask depends on no input but could not be computed at compile time: "
+                     f"{form.failed}")
+        if form.bias is None and form.kind in ("none", "causal"):
+            planned.mask, planned.causal = None, form.kind == "causal"
+            found = "the constant mask masks nothing: dropped" if form.kind == "none" else \
+                "the constant mask is lower-triangular: is_causal=True"
+        elif form.kind in ("window", "none", "causal") and not gqa:
+            flex_why = _flex_unsupported(ctx, q, k, dropout, form.kind) or \
+                (None if form.bias is None or BIAS_IN_FLEX else "on torch < 2.11")
+            if not flex_why:
+                with gm.graph.inserting_before(node):
+                    fused = _emit_flex(gm.graph, q, k, v, scale if scale is not None else qv.shape[-1] ** -0.5,
+                                       None, form.kind, form.window, form, node)
+                return _replace(run, node, fused, f"FlexAttention for the constant mask ({form.kind}"
+                                                  f"{', position bias' if form.bias else ''})", form.kind)
+            found = f"a constant {form.kind} mask FlexAttention cannot take {flex_why} (kept dense)"
+        else:
+            found = "a constant mask with no structure the kernels skip (kept exact)"
+    if planned.mask is mask and (not ctx.target.is_cuda or mv.stride(-1) == 1 or mv.shape[-1] == 1):
+        ctx.note(f"{node.name}: SDPA call, {found}: nothing to change")
+        return False
+    with gm.graph.inserting_before(node):
+        fused, why = _gated_sdpa(run, node, planned, original, set(gm.graph.nodes))
+    if fused is None:
+        return False
+    return _replace(run, node, fused, found + why, "causal" if planned.causal and not original.causal else None)
+
+
+def _replace(run: _Run, node: fx.Node, fused: fx.Node, what: str, kind: str | None) -> bool:
+    node.replace_all_uses_with(fused)
+    run.gm.graph.erase_node(node)
+    run.ctx.count()
+    if kind in ("causal", "window"):
+        run.ctx.count(kind)
+    run.ctx.note(f"{node.name}: SDPA call, {what}")
+    return True
+
+
+def _flex_unsupported(ctx: PassContext, q: fx.Node, k: fx.Node, dropout: Any, kind: str) -> str | None:
     """Why the FlexAttention form cannot take this attention, or None."""
     if ctx.codegen == "inductor" and not ctx.target.is_cuda:
         return "on the CPU (Inductor's FlexAttention for the CPU has no backward)"
@@ -285,10 +313,10 @@ def _flex_unsupported(a: Attention, kind: str, ctx: PassContext) -> str | None:
         return "on XLA"
     if kind == "tensor":
         return "with a mask that is not provably causal or a sliding window"
-    if a.dropout:
+    if dropout:
         return "with dropout (FlexAttention has none)"
-    q, k = ir.example_value(a.q), ir.example_value(a.k if a.k is not None else a.kt)
-    if q.dim() != 4 or not all(isinstance(s, int) for s in (*q.shape, *k.shape)):
+    qv, kv = ir.example_value(q), ir.example_value(k)
+    if qv.dim() != 4 or not all(isinstance(s, int) for s in (*qv.shape, *kv.shape)):
         return "with dynamic shapes or not [batch, heads, seq, dim] inputs"
     return None
 

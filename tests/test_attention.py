@@ -192,7 +192,7 @@ def test_alibi_built_in_the_graph_goes_to_flex_attention_as_a_score_mod(form):
 
 
 def test_alibi_coefficients_are_the_slopes():
-    from kpt_compiler.passes.attention import _linear_bias
+    from kpt_compiler.passes._attention_masks import _linear_bias
 
     L_ = 7
     pos = torch.arange(L_)
@@ -457,7 +457,7 @@ def test_transformers_mpt_alibi_goes_to_flex_attention():
 def test_linear_bias_fit_survives_bfloat16_rounding_at_long_sequences():
     """At 4096 positions bfloat16 rounds ALiBi's far entries by up to 8: an unweighted least-squares fit was
     pulled off by them and refused the bias (the bench's 8x16x4096x128 case fell back to a dense mask)."""
-    from kpt_compiler.passes.attention import _linear_bias
+    from kpt_compiler.passes._attention_masks import _linear_bias
 
     L, slopes = 4096, torch.tensor([2 ** -0.5, 2 ** -1.5])
     i = torch.arange(L)

@@ -60,6 +60,28 @@ def bert(attn: str = "eager", n_layer: int = 12, **_: Any):
     return model, _token_inputs(cfg.vocab_size)
 
 
+def vit(attn: str = "sdpa", n_layer: int = 12, **_: Any):
+    """Hugging Face ViT-base/16 on 224 x 224 images; its inputs are random images of the model's dtype."""
+    tf = _transformers()
+    cfg = tf.ViTConfig(num_hidden_layers=n_layer)
+    model = tf.AutoModel.from_config(cfg, attn_implementation=attn)
+
+    def make(batch: int, _seq: int, device: str) -> tuple:
+        g = torch.Generator().manual_seed(0)
+        return (torch.randn(batch, 3, cfg.image_size, cfg.image_size, generator=g).to(device),)
+
+    return model, make
+
+
+def t5_encoder(attn: str = "sdpa", n_layer: int = 12, **_: Any):
+    """Hugging Face T5's encoder at base size: attention with a learned relative-position bias, unscaled, added
+    to the scores (an SDPA call's float mask on the "sdpa" path)."""
+    tf = _transformers()
+    cfg = tf.T5Config(d_model=768, d_kv=64, d_ff=3072, num_layers=n_layer, num_heads=12, use_cache=False)
+    cfg._attn_implementation = attn
+    return tf.T5EncoderModel(cfg), _token_inputs(cfg.vocab_size)
+
+
 def resnet50(**_: Any):
     try:
         import torchvision
@@ -86,6 +108,8 @@ BUILDERS: dict[str, Callable] = {
     "gpt2": gpt2,
     "llama": llama,
     "bert": bert,
+    "vit": vit,
+    "t5-encoder": t5_encoder,
     "resnet50": resnet50,
     "tiny-gpt": tiny_gpt,
 }

@@ -127,3 +127,63 @@ def test_alibi_goes_to_flex_attention_on_cuda_with_its_backward():
     report = kpt_compiler.last_report()
     assert report.pass_record("attention").stats.get("linear_bias") == 1, report.pass_record("attention").notes
     assert any("flex_attention" in op for op in report.stages["joint"].ops_after), report.stages["joint"].ops_after
+
+
+# ------------------------------------------------------------------------------- SDPA calls already there
+
+
+def _sdpa_call(mask_fn):
+    def fn(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask_fn(q))
+    return fn
+
+
+def _bf16(B=4, H=12, L=197, D=64):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return [torch.randn(B, H, L, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3)]
+
+
+def test_an_expanded_all_true_mask_is_dropped_so_sdpa_runs_a_fused_kernel():
+    # transformers 5.17 hands BERT and ViT this mask; its last-dimension stride is 0, so SDPA ran math
+    q, k, v = _bf16()
+    L = q.shape[-2]
+    fn = _sdpa_call(lambda q: (torch.arange(L, device=q.device)[None, None, :, None] >= 0).expand(q.shape[0], 1, L, L))
+    out = torch.compile(fn, backend="kernelpytorch")(q, k, v)
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 1 and any("dropped" in n and "kernel here" in n for n in rec.notes), rec.notes
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert relative_error(out.float(), ref) < 1e-2
+
+
+def test_a_bias_laid_out_as_t5_does_is_read_contiguous_and_stays_exact():
+    q, k, v = _bf16(L=256)
+    L, H = q.shape[-2], q.shape[-3]
+    bias = torch.randn(L, L, H, device="cuda", dtype=torch.bfloat16).permute(2, 0, 1)[None]  # last stride H
+
+    def fn(q, k, v, bias):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+
+    out = torch.compile(fn, backend="kernelpytorch")(q, k, v, bias)
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.matches == 1 and any("contiguous copy" in n for n in rec.notes), rec.notes
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias.float(),
+                                                           scale=1.0)
+    assert relative_error(out.float(), ref) < 1e-2
+
+
+def test_the_probe_agrees_with_the_dispatcher_on_cuda():
+    from kpt_compiler.passes import _attention_gate as gate
+    import torch.fx as fx
+
+    q, k, v = _bf16()
+    L = q.shape[-2]
+    expanded = (torch.arange(L, device="cuda")[None, None, :, None] >= 0).expand(q.shape[0], 1, L, L)
+    graph = fx.Graph()
+    nodes = [graph.placeholder(n) for n in "qkvm"]
+    for mask, expected in ((expanded, "MATH"), (expanded.contiguous(), None)):
+        for n, t in zip(nodes, (q, k, v, mask)):
+            n.meta["example_value"] = t
+        picked = gate.backend(gate.Call(*nodes, dropout=0.0, causal=False, scale=None), q.device, None)
+        assert picked == (expected or torch.nn.attention.SDPBackend(
+            torch._fused_sdp_choice(q, k, v, mask, 0.0, False, scale=None)).name)
+        assert (picked == "MATH") == (mask.stride(-1) == 0)
