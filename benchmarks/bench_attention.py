@@ -37,7 +37,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kpt_compiler.bench import median_ms
+from kpt_compiler.bench import git_commit, median_ms
 
 SHAPES = [  # (B, H, L, D, causal)
     (8, 16, 4096, 128, True),
@@ -259,8 +259,8 @@ def main(argv=None) -> int:
         print(f"{B}x{H}x{L}x{D} {'causal' if causal else 'full  '}: " + "  ".join(
             f"{n} {t:.3f}ms" if t else f"{n} n/a" for n, t in times.items()) + f"  kpt/best {row['kpt_vs_best_sdpa']:.2f}",
             flush=True)
-    card = torch.cuda.get_device_name()
-    lines = [f"Attention, bf16 forward, {card}, torch {torch.__version__}, {datetime.date.today()}; "
+    card, commit = torch.cuda.get_device_name(), git_commit()
+    lines = [f"Attention, bf16 forward, {card}, torch {torch.__version__}, {datetime.date.today()}, commit {commit}; "
              "command: python -m benchmarks.bench_attention", "",
              "| B,H,L,D | causal | flash | cudnn | efficient | inductor (hand-written) | kernelpytorch (hand-written) "
              "| kpt / best SDPA | kpt vs Inductor | rel. err |",
@@ -299,7 +299,8 @@ def main(argv=None) -> int:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-            json.dump({"card": card, "torch": torch.__version__, "date": str(datetime.date.today()), "rows": rows,
+            json.dump({"card": card, "torch": torch.__version__, "date": str(datetime.date.today()), "commit": commit,
+                       "rows": rows,
                        "flex_rows": flex_rows, "mask_form_rows": mask_rows}, f, indent=1)
         with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
             f.write(table + "\n")

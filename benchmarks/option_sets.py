@@ -8,6 +8,7 @@ switches one on or off shows what that pass buys on every model. Later passes ad
 OPTION_SETS: dict[str, dict] = {
     "ro": {"mode": "reduce-overhead"},  # CUDA graphs on top of our pipeline, to compare with inductor-ro
     "no-attention": {"attention": False},  # the attention pass off: what it buys (or costs) on every model
+    "attention-flash": {"attention": {"backend": "flash"}},  # flash before cuDNN: what the priority buys
     "no-fusion": {"fusion": False},  # the fusion group off (on by default): what its passes buy on every model
     "ro-no-fusion": {"mode": "reduce-overhead", "fusion": False},  # the same under CUDA graphs
     "no-horizontal": {"merge_parallel_linears": False},  # fusion without q/k/v merging: what that pass buys

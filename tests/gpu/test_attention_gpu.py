@@ -187,3 +187,24 @@ def test_the_probe_agrees_with_the_dispatcher_on_cuda():
         assert picked == (expected or torch.nn.attention.SDPBackend(
             torch._fused_sdp_choice(q, k, v, mask, 0.0, False, scale=None)).name)
         assert (picked == "MATH") == (mask.stride(-1) == 0)
+
+
+def test_decide_measure_times_the_call_against_what_runs_instead(tmp_path, monkeypatch):
+    monkeypatch.setenv("KPT_CACHE_DIR", str(tmp_path))  # a fresh decision cache: this compile measures
+    q, k, v = _bf16(L=512)
+
+    def hand_written(q, k, v):
+        return torch.softmax(q @ k.transpose(-2, -1) * 0.125, dim=-1) @ v
+
+    L = q.shape[-2]
+    expanded = _sdpa_call(lambda q: (torch.arange(L, device=q.device)[None, None, :, None] >= 0).expand(q.shape[0], 1, L, L))
+    for fn, theirs in ((hand_written, "decomposed"), (expanded, "decomposed")):
+        torch._dynamo.reset()
+        out = torch.compile(fn, backend="kernelpytorch", options={"attention": {"decide": "measure"}})(q, k, v)
+        rec = kpt_compiler.last_report().pass_record("attention")
+        timed = [n for n in rec.notes if "measured on" in n]
+        assert timed and f"Inductor's side: {theirs}" in timed[0], rec.notes
+        assert rec.matches == 1, rec.notes  # fused attention beats the decomposed form at this size
+        ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        assert relative_error(out.float(), ref) < 1e-2
+    assert (tmp_path / "decisions.json").exists()
