@@ -19,6 +19,13 @@ exactly lower-triangular the rewrite uses ``is_causal=True`` and drops it: the f
 masked half. A candidate whose scores or probabilities are used elsewhere (a model returning attention
 weights), or whose form is not one of the above, is left alone and reported as a near miss.
 
+An SDPA call already in the graph (transformers' default path, timm, user code) gets the same mask analysis:
+a mask that depends on no input is dropped, made ``is_causal`` or a FlexAttention form; one from the inputs
+stays exact. On CUDA a mask whose last dimension is not dense is read through one contiguous copy (every
+fused kernel needs stride 1 there). Each SDPA call a rewrite would make goes through the profit gate
+(passes/_attention_gate.py): under ``decide="auto"`` it is made only where the dispatcher gives it a fused
+kernel, not SDPA's math backend.
+
 Why this runs before AOTAutograd (stage pre_aot) rather than on the joint graph: at the torch level the
 attention chain is six nodes (softmax is one call), and SDPA's own autograd formula gives the backward when
 AOTAutograd traces the graph, so the fused op brings its own backward without matching backward graphs
