@@ -49,6 +49,7 @@ _add("invert", ("input",), operator.invert, torch.logical_not, torch.bitwise_not
 _add("contiguous", ("input",), ("method", "contiguous"))
 _add("tanh", ("input",), torch.tanh, F.tanh, ("method", "tanh"))
 _add("linear", ("input", "weight", "bias"), F.linear)
+_add("addmm", ("input", "mat1", "mat2", "beta", "alpha"), torch.addmm)
 _add("silu", ("input", "inplace"), F.silu)
 _add("relu", ("input", "inplace"), F.relu)
 _add("relu", ("input",), torch.relu, ("method", "relu"))

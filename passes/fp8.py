@@ -1,0 +1,179 @@
+"""fp8: linear layers -> fp8 matrix products with dynamic scaling (lossy; off by default).
+
+Before (Dynamo's graph)::
+
+    y = F.linear(x, W, b)                     # nn.Linear, or F.linear in user code
+
+After::
+
+    y = fp8_linear(x, W, b, recipe=...)       # passes/_fp8_recipes.py: scale, cast, torch._scaled_mm
+
+forward and backward (the recipe says in which format each gradient GEMM runs). Eligible: a 2-D weight with
+both dimensions multiples of 16 (``_scaled_mm``'s rule), at least ``min_features`` each, a floating-point
+layer, static shapes, and a module path (``nn_module_stack``, e.g. ``lm_head`` or ``model.layers.0.mlp.up_proj``)
+matching none of ``skip``. Each rewrite then asks the cost model whether it pays at its shape (``decide``, as
+the fusion passes do: ``"always"`` for every eligible layer); where no calibration or measurement says so it
+declines with the reason. The lossy guard measures the graph's output error and backs out every layer whose
+rewrite alone puts it under ``error_bound_db`` (in dB of signal-to-noise ratio against the unmodified graph).
+
+fp8 matrix products need compute capability 8.9 (Ada) or newer: asking for the pass on an older GPU is an
+error that says so. On the CPU ``torch._scaled_mm`` runs too (how CI tests the rewrite and its numerics).
+Runs in stage pre_aot, so AOTAutograd traces the replacement's own backward, as for the attention pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import re
+from typing import Literal
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from kpt_compiler import torch_ir as ir
+from kpt_compiler.registry import PassContext, graph_pass
+
+from . import _fp8_recipes
+from ._fp8_recipes import fp8_linear
+from ._fusion_common import ask, gemm_baseline
+
+DEFAULT_BOUND_DB = 20.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Options:
+    # the scaling: one scale per tensor, or per row of each operand along its reduction dimension
+    granularity: Literal["tensorwise", "rowwise"] | None = None
+    # torchao's training recipe (passes/_fp8_recipes.py), when more than the granularity: "rowwise_with_gw_hp"
+    # keeps the weight gradient in the layer's precision. Default: the granularity's own recipe (tensorwise).
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    # module paths to keep in their precision, as fnmatch patterns ("lm_head", "*.0.*", "model.embed*")
+    skip: tuple[str, ...] = ()
+    # leave layers with fewer input or output features than this alone
+    min_features: int = 16
+    # the lossy guard backs out a layer whose rewrite puts the graph's output under this many dB of SQNR
+    error_bound_db: float = DEFAULT_BOUND_DB
+    # "auto": cached measurements, else the calibrated cost model; "measure": time on the device at compile
+    # time (the default under mode="max-autotune"); "always": every eligible layer
+    decide: Literal["auto", "measure", "always"] = "auto"
+
+    def __post_init__(self):
+        if self.min_features < 16 or self.min_features % 16:
+            raise ValueError(f"min_features must be a multiple of 16 (torch._scaled_mm's rule), at least 16; "
+                             f"got {self.min_features}")
+        if isinstance(self.skip, str) or not all(isinstance(p, str) for p in self.skip):
+            raise ValueError(f"skip must be a list of module-path patterns (strings), got {self.skip!r}")
+        if self.recipe and self.granularity and self.recipe.split("_")[0] != self.granularity:
+            raise ValueError(f"recipe={self.recipe!r} scales {self.recipe.split('_')[0]}, but granularity="
+                             f"{self.granularity!r}; give one of them")
+        if not self.error_bound_db > 0:
+            raise ValueError(f"error_bound_db must be positive (dB of SQNR), got {self.error_bound_db}")
+
+    @property
+    def chosen_recipe(self) -> str:
+        return self.recipe or self.granularity or "tensorwise"
+
+
+def _supports(target, options) -> str | None:
+    if target.device == "xla":
+        return "fp8 matrix products on XLA are torch_xla's to lower; the rewrite targets CUDA and the CPU"
+    if target.is_cuda and not target.has_fp8:
+        cap = ".".join(map(str, target.capability or ()))
+        return (f"fp8 matrix products need compute capability 8.9 (Ada) or newer, and {target.name} has "
+                f"{cap or 'an unknown one'}")
+    return None
+
+
+@graph_pass("fp8", summary="linear layers -> fp8 matrix products (torch._scaled_mm), dynamic scaling, "
+            "forward and backward", stage="pre_aot", options=Fp8Options, default=False, lossy=True,
+            error_bound_db=DEFAULT_BOUND_DB, statistics=("matches", "near_misses"), supports=_supports)
+def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    how = "measure" if ctx.options.decide == "auto" and ctx.mode == "max-autotune" else ctx.options.decide
+    recipe, changed = ctx.options.chosen_recipe, False
+    for node in list(gm.graph.nodes):
+        if ir.kind(node) not in ("linear", "addmm"):
+            continue
+        label = f"{node.name} ({_module_path(node)})" if _module_path(node) else node.name
+        why = _ineligible(node, ctx.options)
+        if why:
+            ctx.near_miss(f"{label}: {why}")
+            continue
+        if how != "always" and not ctx.target.is_cuda:
+            ctx.near_miss(f"{label}: on {ctx.target.device} no figure says fp8 pays (torch._scaled_mm runs "
+                          "there, unfused); decide='always' rewrites anyway")
+            continue
+        x, w, b, transposed = _operands(node)
+        xv, (N, K) = ir.example_value(x), ir.example_value(w).shape[::-1] if transposed else ir.example_value(w).shape
+        M = xv.numel() // K
+        device, dtype = xv.device, xv.dtype
+        if not ask(ctx, how, node, f"fp8_linear[{recipe}]", x, {"K": K, "N": N, "recipe": recipe}, _fp8_recipes,
+                   table=f"fp8_linear_{recipe}", gemm_ns=[N],
+                   ours=lambda: _timed(M, K, N, dtype, device, recipe),
+                   baseline_ms=gemm_baseline(device, M, K, [N], dtype, 0)):
+            continue
+        if not ctx.propose(node.name):
+            continue
+        with gm.graph.inserting_before(node):
+            if transposed:  # addmm(b, x, W) with W [K, N], as GPT-2's Conv1D: the linear of W^T
+                w = ir.emit(gm.graph, torch.t, (w,), like=node)
+            new = ir.emit(gm.graph, fp8_linear, (x, w, b), {"recipe": recipe}, like=node,
+                          fake_fn=lambda x, w, b, **_: F.linear(x, w, b))
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        ctx.count()
+        ctx.note(f"{label}: {M}x{K} @ {K}x{N} in fp8, {recipe}")
+        changed = True
+    return changed
+
+
+def _operands(node: fx.Node):
+    """(x, weight, bias, whether the weight is stored [K, N]) of a linear or an addmm."""
+    if ir.kind(node) == "addmm":
+        return ir.arg(node, "mat1"), ir.arg(node, "mat2"), ir.arg(node, "input"), True
+    return ir.arg(node, "input"), ir.arg(node, "weight"), ir.arg(node, "bias", None), False
+
+
+def _ineligible(node: fx.Node, options: Fp8Options) -> str | None:
+    x, w, b, transposed = _operands(node)
+    if transposed and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 3
+                       or not isinstance(b, fx.Node) or ir.example_value(b).dim() != 1):
+        return "an addmm that is not x @ W + b (beta, alpha or a bias that is not a vector)"
+    w, x = ir.example_value(w), ir.example_value(x)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not isinstance(x, torch.Tensor):
+        return "not a linear layer with a 2-D weight"
+    if transposed:
+        w = w.t()
+    path = _module_path(node)
+    for pattern in options.skip:
+        if path and fnmatch.fnmatchcase(path, pattern):
+            return f"module {path} matches skip pattern {pattern!r}"
+    if not all(isinstance(s, int) for s in (*x.shape, *w.shape)):
+        return "dynamic shapes (the scaled GEMM needs its sizes at compile time)"
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
+        return f"a {x.dtype} layer (fp8 takes float32, bfloat16 and float16 layers)"
+    N, K = w.shape
+    if K % 16 or N % 16:
+        return f"{K} input and {N} output features: torch._scaled_mm needs multiples of 16"
+    if min(K, N) < options.min_features:
+        return f"{K}x{N} is under min_features={options.min_features}"
+    if x.device.type == "cuda" and options.chosen_recipe != "tensorwise" and x.dtype != torch.bfloat16:
+        return f"rowwise scaling on CUDA gives bfloat16 outputs only; this layer is {x.dtype}"
+    return None
+
+
+def _module_path(node: fx.Node) -> str | None:
+    """The dotted path of the module that called this linear (``model.layers.0.mlp.up_proj``), or None."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path, _cls = list(stack.values())[-1]
+    return re.sub(r"^L(\[[^\]]*\])+\.?", "", path) or None  # Dynamo's L['self'] / L['args'][0] prefix
+
+
+def _timed(M, K, N, dtype, device, recipe):
+    x = torch.randn(M, K, device=device, dtype=dtype)
+    w = torch.randn(N, K, device=device, dtype=dtype)
+    return lambda: fp8_linear(x, w, recipe=recipe)
+

@@ -1,0 +1,73 @@
+"""The fp8 pass on the GPU: each recipe's numerics in bf16 on an fp8 card, a compiled training step through
+Inductor, and what decide="auto" and "measure" say where no calibration exists."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kpt_compiler
+from kpt_compiler.lossy_guard import sqnr_db
+from kpt_compiler.passes._fp8_recipes import RECIPES, fp8_linear
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an fp8 GPU")]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_recipe_in_bf16_forward_and_backward(recipe):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    w = (torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=g) * 0.03).requires_grad_()
+    b = torch.randn(2048, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    out = fp8_linear(x, w, b, recipe=recipe)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
+    ref = torch.nn.functional.linear(xr, wr, br)
+    ref.backward(grad.float())
+    assert sqnr_db(out, ref) >= 28
+    assert sqnr_db(x.grad, xr.grad) >= 22
+    assert sqnr_db(w.grad, wr.grad) >= (35 if recipe == "rowwise_with_gw_hp" else 22)
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(1024, 4096), nn.Linear(4096, 1024)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_compiled_training_step_through_inductor(recipe):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP().cuda().bfloat16()
+    ref_model = MLP().cuda()
+    ref_model.load_state_dict(model.state_dict())
+    x = torch.randn(8, 256, 1024, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="kernelpytorch", options={"fp8": {"recipe": recipe, "decide": "always"}})
+    out = compiled(x)
+    out.float().square().mean().backward()
+    rec = kpt_compiler.last_report().pass_record("fp8")
+    assert rec.matches == 2 and rec.error_db is not None and rec.error_db >= 20, rec
+    ref = ref_model(x.float())
+    ref.square().mean().backward()
+    assert sqnr_db(out, ref) >= 25
+    assert sqnr_db(model.up.weight.grad, ref_model.up.weight.grad) >= 15
+
+
+def test_auto_declines_without_a_calibration_and_measure_times_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("KPT_CACHE_DIR", str(tmp_path))
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    layer = nn.Linear(4096, 4096, bias=False).cuda().bfloat16()
+    with torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(layer, backend="kernelpytorch", options={"fp8": True})(x)
+        rec = kpt_compiler.last_report().pass_record("fp8")
+        assert rec.matches == 0 and any("decide='measure'" in n for n in rec.notes), rec.notes
+        torch._dynamo.reset()
+        torch.compile(layer, backend="kernelpytorch", options={"fp8": {"decide": "measure"}})(x)
+        rec = kpt_compiler.last_report().pass_record("fp8")
+        assert any("measured on" in n for n in rec.notes), rec.notes
