@@ -20,6 +20,9 @@ measured with (``kpt_compiler.cost_model.source_hash``). bf16 throughout. Tables
                            inference op and as the triton_op inside an Inductor graph, Inductor's calls
   ceilings                 the bf16 GEMM rate at 8192^3, the copy bandwidth, and a small GEMM's fixed cost
                            (what the cost model estimates Inductor's device time from)
+  fp8_linear_<recipe>      the fp8 pass's layer (passes/_fp8_recipes.py, quantization included) against the bf16
+  fp8_linear_<recipe>_train  linear, both under torch.compile, forward / forward + backward (bench_fp8), at
+                           FP8_SHAPES; recipes tensorwise, rowwise (not in the default --tables: ask for them)
 
 ``--tables`` runs some of them (each call adds its run to the file).
 """
@@ -41,6 +44,8 @@ from kpt_compiler import cost_model as cm
 from kpt_compiler.bench import git_commit
 
 TABLES = ("gated_linear", "linear_epilogue", "linear_epilogue_vs_gemm", "horizontal", "host", "ceilings")
+FP8_TABLES = tuple(f"fp8_linear_{r}{t}" for r in ("tensorwise", "rowwise") for t in ("", "_train"))
+FP8_SHAPES = [(M, K, N) for M in (128, 2048, 8192) for K, N in ((4096, 4096), (4096, 14336), (14336, 4096))]
 # (M, K, widths) of the q/k/v cases: grouped-query as the zoo Llama (K=1024, k and v a quarter), multi-head
 HORIZONTAL = [(1, 1024, "gqa"), (128, 1024, "gqa"), (1024, 1024, "gqa"), (8192, 1024, "gqa"), (1024, 1024, "mha"),
               (8192, 1024, "mha"), (16384, 768, "mha")]
@@ -167,6 +172,25 @@ def measure_host() -> dict:
     return {kind: {k: round(v, 2) for k, v in value.items()} | {"M": HOST_ROWS} for kind, value in out.items()}
 
 
+def measure_fp8(table: str) -> dict:
+    """The fp8 pass's layer against the bf16 linear at FP8_SHAPES, both compiled by Inductor, device time."""
+    import benchmarks.bench_fp8 as bench
+    from kpt_compiler.passes import _fp8_recipes
+
+    recipe = table.removeprefix("fp8_linear_").removesuffix("_train")
+    backward = table.endswith("_train")
+    points = []
+    for M, K, N in FP8_SHAPES:
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5).requires_grad_()
+        torch._dynamo.reset()  # a fresh compile per shape: no recompile limit, no dynamic shapes
+        theirs = bench._time(torch.compile(F.linear), x, w, backward)
+        ours = bench._time(torch.compile(lambda x, w: _fp8_recipes.fp8_linear(x, w, recipe=recipe)), x, w, backward)
+        points.append({"M": M, "K": K, "N": N, "speedup": round(theirs / ours, 4), "ours_us": round(ours * 1e3, 2),
+                       "theirs_us": round(theirs * 1e3, 2)})
+    return {"source": cm.source_hash(_fp8_recipes), "points": points}
+
+
 def measure_ceilings() -> dict:
     from kpt_compiler.bench import copy_bandwidth, median_ms
 
@@ -189,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(cm.CALIBRATION_DIR), help="the folder of calibration files")
     args = p.parse_args(argv)
     tables = [t.strip() for t in args.tables.split(",") if t.strip()]
-    unknown = sorted(set(tables) - set(TABLES))
+    unknown = sorted(set(tables) - set(TABLES) - set(FP8_TABLES))
     if unknown:
-        p.error(f"unknown table(s) {unknown}; known: {', '.join(TABLES)}")
+        p.error(f"unknown table(s) {unknown}; known: {', '.join(TABLES + FP8_TABLES)}")
     if not torch.cuda.is_available():
         print("error: benchmarks.calibrate measures this card's CUDA kernels and torch.cuda.is_available() is "
               "False; run it on the GPU machine", file=sys.stderr)
@@ -202,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.out) / cm.calibration_file(props.name, (props.major, props.minor))
     measures = {"horizontal": measure_horizontal, "host": measure_host, "ceilings": measure_ceilings}
     for table in tables:  # written after each table, so a run cut short keeps what it measured
-        measured = measures[table]() if table in measures else measure_gemm_table(table)
+        measured = measures[table]() if table in measures else measure_fp8(table) if table in FP8_TABLES \
+            else measure_gemm_table(table)
         old = json.loads(path.read_text()) if path.exists() else None
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(merge(old, device, run, {table: measured}), indent=1) + "\n")

@@ -37,7 +37,9 @@ from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _fp8_recipes
 from ._fp8_recipes import fp8_linear
-from ._fusion_common import ask, gemm_baseline
+from kpt_compiler.cost_model import Candidate, CostModel
+
+from ._fusion_common import needs_grad
 
 DEFAULT_BOUND_DB = 20.0
 
@@ -108,10 +110,7 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
         xv, (N, K) = ir.example_value(x), ir.example_value(w).shape[::-1] if transposed else ir.example_value(w).shape
         M = xv.numel() // K
         device, dtype = xv.device, xv.dtype
-        if not ask(ctx, how, node, f"fp8_linear[{recipe}]", x, {"K": K, "N": N, "recipe": recipe}, _fp8_recipes,
-                   table=f"fp8_linear_{recipe}", gemm_ns=[N],
-                   ours=lambda: _timed(M, K, N, dtype, device, recipe),
-                   baseline_ms=gemm_baseline(device, M, K, [N], dtype, 0)):
+        if not _decide(ctx, how, label, M, K, N, dtype, device, recipe, training=needs_grad(node)):
             continue
         if not ctx.propose(node.name):
             continue
@@ -172,8 +171,37 @@ def _module_path(node: fx.Node) -> str | None:
     return re.sub(r"^L(\[[^\]]*\])+\.?", "", path) or None  # Dynamo's L['self'] / L['args'][0] prefix
 
 
-def _timed(M, K, N, dtype, device, recipe):
-    x = torch.randn(M, K, device=device, dtype=dtype)
-    w = torch.randn(N, K, device=device, dtype=dtype)
-    return lambda: fp8_linear(x, w, recipe=recipe)
+def _decide(ctx: PassContext, how: str, label: str, M: int, K: int, N: int, dtype, device, recipe: str,
+            training: bool) -> bool:
+    """The cost model's answer for one layer, from the card's ``fp8_linear_<recipe>[_train]`` table (forward, or
+    forward + backward where a gradient flows), or timed under "measure"; noted in the report either way."""
+    table = f"fp8_linear_{recipe}" + ("_train" if training else "")
+    measuring = how == "measure"
+    candidate = Candidate(table, M, {"K": K, "N": N}, dtype, _fp8_recipes, mkn=(M, K, N),
+                          ours=_call(M, K, N, dtype, device, recipe, training) if measuring else None,
+                          baseline_ms=(lambda: _ms(_call(M, K, N, dtype, device, None, training))) if measuring
+                          else None)
+    d = (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
+    if d.rewrite:
+        ctx.note(f"{label}: {table} {M}x{K}x{N} ({d.why})")
+    else:
+        ctx.near_miss(f"{label}: {table} not faster here ({d.why})")
+    return d.rewrite
+
+
+def _call(M, K, N, dtype, device, recipe, training):
+    """One layer call at this shape, ours (``recipe``) or the bf16 linear (None), with its backward if training."""
+    x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=training)
+    w = torch.randn(N, K, device=device, dtype=dtype, requires_grad=training)
+    fn = (lambda: F.linear(x, w)) if recipe is None else (lambda: fp8_linear(x, w, recipe=recipe))
+    if not training:
+        return fn
+    grad = torch.randn(M, N, device=device, dtype=dtype)
+    return lambda: torch.autograd.grad(fn(), (x, w), grad)
+
+
+def _ms(fn) -> float:
+    from kpt_compiler.bench import median_ms
+
+    return median_ms(fn, "cuda", warmup_ms=25, rep_ms=100)
 
