@@ -154,3 +154,22 @@ def test_asking_for_fp8_on_a_gpu_without_it_is_an_error_that_names_the_capabilit
     monkeypatch.setattr(backend_module, "detect_target", lambda *a, **k: a100)
     with pytest.raises(OptionError, match=r"8\.9.*A100.*8\.0"):
         torch.compile(Block(), backend="kernelpytorch", options={"fp8": True})(torch.randn(2, 64))
+
+
+def test_auto_reads_the_committed_h100_tables_forward_and_training():
+    from kpt_compiler.cost_model import CALIBRATION_DIR, calibration_file
+    from kpt_compiler.passes import fp8
+    from kpt_compiler.registry import PassContext
+
+    h100 = Target("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
+    if not (CALIBRATION_DIR / calibration_file(h100.name, h100.capability)).exists():
+        pytest.skip("no H100 calibration committed")
+    ctx = PassContext(options=fp8.Fp8Options(), target=h100, stage="pre_aot", is_inference=True, mode="default")
+    args = (torch.bfloat16, "cpu", "tensorwise")
+    assert fp8._decide(ctx, "auto", "big", 8192, 4096, 14336, *args, training=False)
+    assert not fp8._decide(ctx, "auto", "small", 128, 4096, 4096, *args, training=False)
+    assert fp8._decide(ctx, "auto", "big-train", 8192, 4096, 14336, *args, training=True)
+    notes = "\n".join(ctx.notes)
+    assert "big: fp8_linear_tensorwise 8192x4096x14336" in notes and "1.50x over Inductor" in notes, notes
+    assert "small: fp8_linear_tensorwise not faster here" in notes and "0.12x" in notes, notes
+    assert "big-train: fp8_linear_tensorwise_train" in notes, notes
