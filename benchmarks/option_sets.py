@@ -12,6 +12,8 @@ OPTION_SETS: dict[str, dict] = {
     "no-fusion": {"fusion": False},  # the fusion group off (on by default): what its passes buy on every model
     "ro-no-fusion": {"mode": "reduce-overhead", "fusion": False},  # the same under CUDA graphs
     "no-horizontal": {"merge_parallel_linears": False},  # fusion without q/k/v merging: what that pass buys
+    "fp8": {"fp8": True},  # lossy, opt-in: fp8 linears where the card's calibration says they pay
+    "fp8-rowwise": {"fp8": {"granularity": "rowwise"}},
     "fusion-always": {"fusion": {"decide": "always"}},  # every fusion taken: checks the cost model's refusals
     "fusion-measure": {"fusion": {"decide": "measure"}},  # decisions timed on the device at compile time
 }

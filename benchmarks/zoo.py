@@ -57,6 +57,9 @@ CUDA_ZOO: tuple[Entry, ...] = (
         Case("inference", 1, 128, cudagraphs=True),
         Case("training", 4, 1024),
     )),
+    # Llama-3-8B's layer (hidden 4096, MLP 14336, grouped-query 32/8), 4 layers: large enough for fp8 to matter
+    Entry("llama-4096", "llama", {"attn": "sdpa", "n_layer": 4, "hidden": 4096, "heads": 32, "kv_heads": 8,
+                                  "intermediate": 14336}, (Case("training", 4, 2048), Case("inference", 4, 2048))),
     Entry("tiny-gpt", "tiny-gpt", {}, (
         Case("training", 8, 1024, quick=True, cudagraphs=True),
         Case("inference", 8, 1024),

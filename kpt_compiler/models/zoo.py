@@ -41,11 +41,14 @@ def gpt2(attn: str = "eager", n_layer: int = 12, n_embd: int = 768, n_head: int 
     return model, _token_inputs(cfg.vocab_size)
 
 
-def llama(attn: str = "eager", n_layer: int = 8, hidden: int = 1024, heads: int = 16, kv_heads: int = 4, **_: Any):
-    """A Llama-style decoder with grouped-query attention (16 query heads share 4 key/value heads)."""
+def llama(attn: str = "eager", n_layer: int = 8, hidden: int = 1024, heads: int = 16, kv_heads: int = 4,
+          intermediate: int | None = None, **_: Any):
+    """A Llama-style decoder with grouped-query attention (16 query heads share 4 key/value heads by default);
+    the MLP is ``intermediate`` wide (default 11/4 of ``hidden``)."""
     tf = _transformers()
     cfg = tf.LlamaConfig(
-        vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=n_layer,
+        vocab_size=32000, hidden_size=hidden, intermediate_size=intermediate or hidden * 11 // 4,
+        num_hidden_layers=n_layer,
         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, use_cache=False,
     )
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
