@@ -66,6 +66,7 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--out", default="benchmarks/out", help="folder for results.json, results.md, results.png")
     p.add_argument("--models", default=None, help="comma-separated zoo entries (default: all)")
+    p.add_argument("--tasks", default=None, help="comma-separated subset of: inference, training (default: both)")
     p.add_argument("--modes", default=None, help=f"comma-separated subset of: {', '.join(all_modes())}")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="skip the rows that would end past this (default: 4.5 quick, 9 full)")
@@ -208,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         pairs = cases(args.suite, device, args.models.split(",") if args.models else None)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
+    if args.tasks:
+        tasks = set(args.tasks.split(","))
+        if not tasks <= {"inference", "training"}:
+            raise SystemExit(f"error: --tasks takes inference and/or training, got {args.tasks!r}")
+        pairs = [(e, c) for e, c in pairs if c.task in tasks]
     rep_ms = args.rep_ms or (1000.0 if device == "cuda" else 200.0)
     budget_s = 60 * (args.max_minutes or (4.5 if args.suite == "quick" else 9.0))
     # the command line as typed when run as a program; as an equivalent one when main() is called in-process
