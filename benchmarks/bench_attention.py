@@ -31,12 +31,11 @@ from __future__ import annotations
 import argparse
 import math
 import datetime
-import json
-import os
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.outputs import write_bench
 from kpt_compiler.bench import git_commit, median_ms
 
 SHAPES = [  # (B, H, L, D, causal)
@@ -297,13 +296,8 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_attention.json"), "w") as f:
-            json.dump({"card": card, "torch": torch.__version__, "date": str(datetime.date.today()), "commit": commit,
-                       "rows": rows,
-                       "flex_rows": flex_rows, "mask_form_rows": mask_rows}, f, indent=1)
-        with open(os.path.join(args.out, "bench_attention.md"), "w") as f:
-            f.write(table + "\n")
+        write_bench(args.out, "bench_attention", {"card": card, "rows": rows, "flex_rows": flex_rows,
+                                                  "mask_form_rows": mask_rows}, table)
     return 0
 
 

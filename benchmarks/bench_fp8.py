@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.outputs import write_bench
 from kpt_compiler.bench import git_commit, median_ms
 
 SHAPES = [(8192, 4096, 14336), (8192, 14336, 4096), (8192, 8192, 8192), (2048, 4096, 4096), (1024, 2048, 1024),
@@ -79,12 +78,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_fp8.json"), "w") as f:
-            json.dump({"card": card, "torch": torch.__version__, "date": str(datetime.date.today()),
-                       "commit": commit, "rows": table}, f, indent=1)
-        with open(os.path.join(args.out, "bench_fp8.md"), "w") as f:
-            f.write(text + "\n")
+        write_bench(args.out, "bench_fp8", {"card": card, "rows": table}, text)
     return 0
 
 

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["write_json", "markdown", "write_markdown", "write_plot", "progress_line"]
+__all__ = ["write_json", "markdown", "write_markdown", "write_plot", "progress_line", "write_bench"]
 
 COLUMNS = ("model", "task", "shape", "dtype", "mode", "compile s", "median ms", "noise %", "vs Inductor",
            "peak MiB", "rel err", "passes fired", "status")
@@ -17,6 +17,23 @@ def write_json(out: str, meta: dict, rows: list[dict]) -> str:
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return path
+
+
+def write_bench(out: str, name: str, record: dict, table: str) -> None:
+    """A microbenchmark's files: ``<name>.json`` (``record``: card, torch, date, commit and its rows, stamped
+    here with the date and the commit) and ``<name>.md`` (the table)."""
+    import datetime
+
+    import torch
+
+    from kpt_compiler.bench import git_commit
+
+    os.makedirs(out, exist_ok=True)
+    stamp = {"torch": torch.__version__, "date": str(datetime.date.today()), "commit": git_commit()}
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump({**stamp, **record}, f, indent=1)
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(table + "\n")
 
 
 def _ms(x: float) -> str:

@@ -98,6 +98,13 @@ class PassContext:
     def note(self, message: str) -> None:
         self.notes.append(message)
 
+    @property
+    def decide(self) -> str | None:
+        """The options' ``decide`` in effect: "auto" means "measure" under mode="max-autotune" (None where the
+        pass has no such option)."""
+        decide = getattr(self.options, "decide", None)
+        return "measure" if decide == "auto" and self.mode == "max-autotune" else decide
+
     def propose(self, label: str) -> bool:
         """A lossy pass asks before each rewrite, naming it (e.g. the node it replaces); False means the pass
         manager backed this rewrite out (its error was over the pass's bound) and the pass must leave it."""

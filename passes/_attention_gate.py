@@ -54,9 +54,9 @@ class Call:
                                            f"{list(m.stride())}"
         return f"q {list(q.shape)}, k {list(k.shape)}, {mask}{', causal' if self.causal else ''}"
 
-    def run(self, device, fill: Callable) -> Callable[[], Any]:
-        """A closure making this call on tensors of its shapes, strides and dtypes (``fill``: empty or random)."""
-        tensors = [None if t is None else fill(t, device) for t in self.values()]
+    def run(self, device) -> Callable[[], Any]:
+        """A closure making this call on random tensors of its shapes, strides and dtypes."""
+        tensors = [None if t is None else _random(t, device) for t in self.values()]
         q, k, v, m = tensors
         kwargs = {"attn_mask": m, "dropout_p": self.dropout, "is_causal": self.causal, "scale": self.scale}
         if self.gqa:
@@ -95,7 +95,7 @@ def backend(call: Call, device, order) -> str | None:
     return SDPBackend(choice).name
 
 
-def decide(ctx: PassContext, how: str, name: str, planned: Call, original: Call | None, order) -> Decision:
+def decide(ctx: PassContext, how: str, planned: Call, original: Call | None, order) -> Decision:
     """Whether to make ``planned`` (replacing ``original``, an SDPA call, or hand-written attention if None)."""
     if how == "always":
         return Decision(True, "decide='always'")
@@ -113,12 +113,12 @@ def decide(ctx: PassContext, how: str, name: str, planned: Call, original: Call 
                                "attention Inductor's own fused softmax beats; decide='measure' times it")
     theirs = backend(original, device, order) if original is not None else None
     if theirs in FUSED:
-        baseline = lambda: _ms(original.run(device, _random))  # noqa: E731 - the original call, as it runs
+        baseline = lambda: _ms(original.run(device))  # noqa: E731 - the original call, as it runs
     else:
         baseline = _decomposed_ms(planned, device)
     candidate = Candidate("attention", int(ir.example_value(planned.q).shape[:-1].numel()),
                           {"call": planned.describe(), "original": original.describe() if original else "hand-written"},
-                          ir.example_value(planned.q).dtype, decide, ours=planned.run(device, _random),
+                          ir.example_value(planned.q).dtype, decide, ours=planned.run(device),
                           baseline_ms=baseline)
     d = (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide("measure", candidate)
     return Decision(d.rewrite, f"{d.why} (SDPA {picked}; Inductor's side: "

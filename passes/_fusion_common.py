@@ -63,7 +63,7 @@ RULE = dict(stage="pre_aot", options=RuleOptions, default=True, statistics=("mat
 def apply_rule(gm: fx.GraphModule, ctx: PassContext, rule: Callable[..., bool]) -> bool:
     """Try ``rule(gm, node, ctx, how)`` at every node that is still in use, then drop what the rewrites
     replaced (so that it cannot match the next pass)."""
-    how = "measure" if ctx.options.decide == "auto" and ctx.mode == "max-autotune" else ctx.options.decide
+    how = ctx.decide
     changed = False
     for node in list(gm.graph.nodes):
         if node.graph is gm.graph and (node.users or node.op == "placeholder"):  # not replaced already

@@ -87,7 +87,7 @@ def _supports(target, options) -> str | None:
             statistics=("matches", "near_misses", "causal", "window", "linear_bias", "sdpa_calls"),
             supports=_supports)
 def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
-    how = "measure" if ctx.options.decide == "auto" and ctx.mode == "max-autotune" else ctx.options.decide
+    how = ctx.decide
     run = _Run(gm, ctx, how, _backend_order(ctx))
     changed = False
     for node in list(gm.graph.nodes):
@@ -219,7 +219,7 @@ def _gated_sdpa(run: _Run, at: fx.Node, planned: Call, original: Call | None,
     graph, ctx = run.gm.graph, run.ctx
     if planned.mask is not None:
         planned.mask = _dense_last_dim(run, planned.mask)
-    d = gate.decide(ctx, run.how, at.name, planned, original, run.order)
+    d = gate.decide(ctx, run.how, planned, original, run.order)
     if not d.rewrite:
         for node in reversed([n for n in graph.nodes if n not in before]):
             if not node.users:

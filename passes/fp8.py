@@ -92,7 +92,7 @@ def _supports(target, options) -> str | None:
             "forward and backward", stage="pre_aot", options=Fp8Options, default=False, lossy=True,
             error_bound_db=DEFAULT_BOUND_DB, statistics=("matches", "near_misses"), supports=_supports)
 def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
-    how = "measure" if ctx.options.decide == "auto" and ctx.mode == "max-autotune" else ctx.options.decide
+    how = ctx.decide
     recipe, changed = ctx.options.chosen_recipe, False
     for node in list(gm.graph.nodes):
         if ir.kind(node) not in ("linear", "addmm"):

@@ -256,3 +256,14 @@ def test_a_gemm_table_takes_the_bench_ratio_against_what_it_names(monkeypatch):
     assert [(p["M"], p["K"], p["N"]) for p in table["points"]] == [tuple(s) for s in bench_linear_epilogue.SHAPES]
     first = table["points"][0]
     assert (first["speedup"], first["ours_us"], first["theirs_us"]) == (0.5, 2.0, 1.0)
+
+
+def test_a_microbenchmark_writes_its_record_stamped_with_the_commit_and_its_table(tmp_path, monkeypatch):
+    from benchmarks.outputs import write_bench
+
+    monkeypatch.setenv("KPT_COMMIT", "abc1234+dirty")
+    write_bench(str(tmp_path / "out"), "bench_x", {"card": "some card", "rows": [{"a": 1}]}, "| a |\n| 1 |")
+    record = json.loads((tmp_path / "out" / "bench_x.json").read_text())
+    assert record["commit"] == "abc1234+dirty" and record["card"] == "some card" and record["rows"] == [{"a": 1}]
+    assert record["date"] and record["torch"] == torch.__version__
+    assert (tmp_path / "out" / "bench_x.md").read_text() == "| a |\n| 1 |\n"

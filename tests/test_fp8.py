@@ -173,3 +173,24 @@ def test_auto_reads_the_committed_h100_tables_forward_and_training():
     assert "big: fp8_linear_tensorwise 8192x4096x14336" in notes and "1.50x over Inductor" in notes, notes
     assert "small: fp8_linear_tensorwise not faster here" in notes and "0.12x" in notes, notes
     assert "big-train: fp8_linear_tensorwise_train" in notes, notes
+
+
+def test_gpt2_conv1d_addmm_is_a_linear_of_the_transposed_weight():
+    class Conv1D(nn.Module):  # transformers' GPT-2 layout: weight [K, N], addmm(bias, x, weight)
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64, 96) * 0.1)
+            self.bias = nn.Parameter(torch.randn(96))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.view(-1, 64), self.weight).view(*x.shape[:-1], 96)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = Conv1D()
+    x = torch.randn(4, 8, 64)
+    out = torch.compile(layer, backend="kernelpytorch", options={"codegen": "eager", "fp8": {"decide": "always"}})(x)
+    rec = kpt_compiler.last_report().pass_record("fp8")
+    assert rec.matches == 1, rec.notes
+    ref = torch.addmm(layer.bias.double(), x.view(-1, 64).double(), layer.weight.double()).view(4, 8, 96)
+    assert sqnr_db(out, ref) >= FORWARD_DB

@@ -32,3 +32,22 @@ def test_import_registers_the_backend():
 
     assert "kernelpytorch" in torch._dynamo.list_backends()
     assert lookup_backend("kernelpytorch") is kpt_compiler.kernelpytorch
+
+
+def test_decide_auto_means_measure_under_max_autotune():
+    import dataclasses
+
+    from kpt_compiler.registry import PassContext
+    from kpt_compiler.target import Target
+
+    @dataclasses.dataclass(frozen=True)
+    class WithDecide:
+        decide: str = "auto"
+
+    def ctx(options, mode):
+        return PassContext(options=options, target=Target("cpu", "cpu"), stage="pre_aot", is_inference=True, mode=mode)
+
+    assert ctx(WithDecide(), "max-autotune").decide == "measure"
+    assert ctx(WithDecide(), "default").decide == "auto"
+    assert ctx(WithDecide("always"), "max-autotune").decide == "always"
+    assert ctx(object(), "max-autotune").decide is None
