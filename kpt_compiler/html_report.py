@@ -231,6 +231,14 @@ def _error_cell(p: PassRecord) -> str:
     return text
 
 
+def _rewrite_errors(p: PassRecord) -> str:
+    """A lossy pass's figure per rewrite (the layer's own SQNR), kept and backed out, worst first."""
+    rows = [(v, k, "kept") for k, v in p.layer_db.items()] + [(v, k, "backed out") for k, v in p.backed_out.items()]
+    body = "".join(f"<tr><td>{html.escape(k)}</td><td>{v:.1f}</td><td>{status}</td></tr>" for v, k, status in sorted(rows))
+    return (f"<details open><summary>{html.escape(p.name)}: SQNR per rewrite (bound {p.error_bound_db:g} dB)</summary>"
+            f"<table><tr><th>rewrite</th><th>SQNR dB</th><th></th></tr>{body}</table></details>")
+
+
 def _pass_row(p: PassRecord) -> str:
     detail = html.escape(p.reason or "")
     if p.notes:
@@ -267,6 +275,8 @@ def _graph_section(r: GraphReport) -> str:
         out += [_pass_row(p) for p in s.passes]
         out.append("</table>")
         for p in s.passes:
+            if p.layer_db or p.backed_out:
+                out.append(_rewrite_errors(p))
             if p.status != "applied":
                 continue
             out.append(f"<h4>{html.escape(p.name)}: {len(p.regions)} changed region(s)</h4>")

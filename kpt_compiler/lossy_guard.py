@@ -8,7 +8,17 @@ floating-point output, the signal-to-noise ratio against the unmodified graph::
 
     SQNR = 10 log10( sum(ref^2) / sum((out - ref)^2) )   in float64; inf when equal, -inf for NaN or inf
 
-The graph's figure is the lowest over its outputs. At or over the bound, every rewrite stays. Under it:
+A pass that says what each rewrite replaced (``ctx.check_locally(label, node, exact)``, as the fp8 pass does
+for each layer) is measured rewrite by rewrite, where each happens: in one run of the rewritten graph, each
+new node's output against ``exact`` computed on the same inputs (the layer's own error, whatever came before
+it). The bound applies to each of these figures: a rewrite under it is backed out (the pass runs again
+without it), the others stay. The graph's output figure is measured and reported beside them; when the
+layers' errors add up to less than the bound at the output, the report says so. Only an output that is no
+longer finite (-inf dB) sends such a pass to the search below. The cost is one run of the rewritten graph,
+whatever the number of rewrites.
+
+For other passes the graph's figure (the lowest over its outputs) is the measure. At or over the bound, every
+rewrite stays. Under it:
 
 - a pass that names its rewrites (``ctx.propose(label)`` before each) is run again from the graph before it
   with one rewrite at a time allowed; each rewrite under the bound on its own is backed out; the others are
@@ -42,7 +52,9 @@ def sqnr_db(out: torch.Tensor, ref: torch.Tensor) -> float:
     not finite, ``out`` must equal it (NaN where NaN); where it is, ``out`` must be finite too, else -inf."""
     if ref.is_complex():
         ref, out = torch.view_as_real(ref.resolve_conj()), torch.view_as_real(out.resolve_conj())
-    ref64, out64 = ref.detach().to(torch.float64).cpu(), out.detach().to(torch.float64).cpu()
+    # on the tensors' device (a large layer's output is slow to copy to the host), unless it has no float64
+    device = ref.device if ref.device.type in ("cpu", "cuda") else torch.device("cpu")
+    ref64, out64 = ref.detach().to(device, torch.float64), out.detach().to(device, torch.float64)
     bad = ~torch.isfinite(ref64)
     if bad.any():
         r, o = ref64[bad], out64[bad]
@@ -84,7 +96,7 @@ def _mutates(gm: fx.GraphModule) -> bool:
     return False
 
 
-def run_graph(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
+def run_graph(gm: fx.GraphModule, inputs: Sequence[Any], interpreter: fx.Interpreter | None = None) -> Any:
     """Run ``gm`` on flat ``inputs`` (whatever its calling convention), seeded, without recording gradients."""
     mutates = _mutates(gm)
     args = [x.clone() if isinstance(x, torch.Tensor) and (mutates or not isinstance(x, torch.nn.Parameter)) else x
@@ -93,7 +105,25 @@ def run_graph(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(0)
-        return fx.Interpreter(gm).run(*args)
+        return (interpreter or fx.Interpreter(gm)).run(*args)
+
+
+class _LocalErrors(fx.Interpreter):
+    """Runs the rewritten graph and, at each checked node, its ``exact`` function on the same arguments: the
+    SQNR of that node's output against it, by label."""
+
+    def __init__(self, gm: fx.GraphModule, checks: dict[str, tuple[str, Callable]]):
+        super().__init__(gm)
+        self.by_node = {name: (label, exact) for label, (name, exact) in checks.items()}
+        self.figures: dict[str, float] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.name in self.by_node:
+            label, exact = self.by_node[n.name]
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            self.figures[label] = _outputs_db(out, exact(*args, **kwargs))
+        return out
 
 
 class LossyGuard:
@@ -114,10 +144,14 @@ class LossyGuard:
         ``error_db`` is the figure of the graph the pass leaves (of its whole rewrite where none of it stays),
         ``backed_out`` maps each rewrite backed out to its figure on its own."""
         rec.error_bound_db = bound
+        labels = list(dict.fromkeys(first_ctx.proposed))
+        if labels and all(label in first_ctx.local_checks for label in labels):
+            local = self._check_locally(bound, gm, snap, first_ctx, attempt, rec)
+            if local is not None:
+                return local
         rec.error_db = db = self.measure(gm)
         if db >= bound:
             return True, first_ctx
-        labels = list(dict.fromkeys(first_ctx.proposed))
         whole = f"SQNR {db:.1f} dB is under the pass's bound of {bound:g} dB"
         if not labels:  # the pass does not name its rewrites: all or nothing
             graph_utils.restore(gm, snap)
@@ -145,3 +179,40 @@ class LossyGuard:
         rec.status, rec.reason = "backed_out", f"{whole}; every rewrite backed out: " + ", ".join(
             f"{label} {value:.1f} dB" for label, value in rec.backed_out.items())
         return False, first_ctx
+
+    def _measure_locally(self, gm: fx.GraphModule, checks) -> tuple[float, dict[str, float]]:
+        interpreter = _LocalErrors(gm, checks)
+        db = _outputs_db(run_graph(gm, self.inputs, interpreter), self.reference)
+        return db, interpreter.figures
+
+    def _check_locally(self, bound: float, gm: fx.GraphModule, snap, ctx, attempt: Callable, rec):
+        """Each rewrite's own figure against the bound (module docstring); None sends the pass to the search
+        (the graph's output is not finite with every rewrite the local figures keep)."""
+        db, figures = self._measure_locally(gm, ctx.local_checks)
+        under = {label: value for label, value in figures.items() if value < bound}
+        changed = True
+        if under:
+            graph_utils.restore(gm, snap)
+            keep = frozenset(figures) - set(under)
+            changed, ctx = attempt(keep) if keep else (False, ctx)
+            db, kept = self._measure_locally(gm, ctx.local_checks) if changed else (db, {})
+            figures = {**under, **kept}
+        if db == -math.inf:
+            graph_utils.restore(gm, snap)
+            rec.notes.append("each rewrite's own figure was over the bound but the graph's output was not finite "
+                             "with them: searched rewrite by rewrite")
+            attempt(None)
+            return None
+        rec.layer_db = {label: value for label, value in figures.items() if label not in under}
+        rec.backed_out = under
+        rec.notes += [f"backed out {label}: SQNR {value:.1f} dB (bound {bound:g} dB)" for label, value in under.items()]
+        if not changed:
+            rec.status, rec.reason = "backed_out", "every rewrite was under the bound on its own: " + ", ".join(
+                f"{label} {value:.1f} dB" for label, value in under.items())
+            rec.error_db = math.inf
+            return False, ctx
+        rec.error_db = db
+        if db < bound:
+            rec.notes.append(f"the graph's output is at {db:.1f} dB, under the bound, though each of the "
+                             f"{len(rec.layer_db)} rewrites kept is over it on its own: their errors add up")
+        return True, ctx

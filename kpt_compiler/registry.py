@@ -84,6 +84,8 @@ class PassContext:
     # lossy passes: the labels of the rewrites proposed, and which may be made (None: all)
     proposed: list[str] = dataclasses.field(default_factory=list)
     allowed: frozenset[str] | None = None
+    # lossy passes that say what each rewrite replaced: label -> (the new node's name, the exact function)
+    local_checks: dict[str, tuple[str, Callable[..., Any]]] = dataclasses.field(default_factory=dict)
     inputs_fn: Callable[[], list[Any]] | None = dataclasses.field(default=None, repr=False)
     _inputs: list[Any] | None = dataclasses.field(default=None, repr=False)
 
@@ -110,6 +112,13 @@ class PassContext:
         manager backed this rewrite out (its error was over the pass's bound) and the pass must leave it."""
         self.proposed.append(label)
         return self.allowed is None or label in self.allowed
+
+    def check_locally(self, label: str, node: fx.Node, exact: Callable[..., Any]) -> None:
+        """After the rewrite ``label`` made ``node``: ``exact`` takes the node's arguments and computes what it
+        replaced. The guard then measures each rewrite's own error where it happens (the node's output against
+        ``exact`` on the same inputs, in one run of the rewritten graph) instead of searching rewrite by
+        rewrite with the whole graph's output (kpt_compiler.lossy_guard)."""
+        self.local_checks[label] = (node.name, exact)
 
     def during_aot(self, context_factory: Callable[[], Any]) -> None:
         """Hold ``context_factory()`` while AOTAutograd traces this graph (pre_aot passes only): for choices the

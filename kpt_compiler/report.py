@@ -52,6 +52,8 @@ class PassRecord:
     error_db: float | None = None
     error_bound_db: float | None = None
     backed_out: dict[str, float] = dataclasses.field(default_factory=dict)
+    # passes measured rewrite by rewrite (ctx.check_locally): each rewrite kept, with its own figure
+    layer_db: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
         """The fields summary.json carries (no code, no pictures)."""
@@ -72,13 +74,19 @@ class PassRecord:
             out["error_db"] = _db(self.error_db)
             out["error_bound_db"] = self.error_bound_db
             out["backed_out"] = {k: _db(v) for k, v in self.backed_out.items()}
+            if self.layer_db:
+                out["layer_db"] = {k: _db(v) for k, v in self.layer_db.items()}
         return out
 
     def error_text(self) -> str:
         """The lossy guard's figure as one phrase ("SQNR 31.2 dB (bound 25 dB)"), or ""."""
         if self.error_bound_db is None or self.error_db is None:
             return ""
-        return f"SQNR {self.error_db:.1f} dB (bound {self.error_bound_db:g} dB)"
+        text = f"SQNR {self.error_db:.1f} dB (bound {self.error_bound_db:g} dB)"
+        if self.layer_db:  # the bound applies to each rewrite's own figure
+            text = (f"SQNR {min(self.layer_db.values()):.1f}-{max(self.layer_db.values()):.1f} dB per rewrite "
+                    f"(bound {self.error_bound_db:g} dB), output {self.error_db:.1f} dB")
+        return text
 
 
 @dataclasses.dataclass

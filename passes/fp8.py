@@ -13,8 +13,9 @@ both dimensions multiples of 16 (``_scaled_mm``'s rule), at least ``min_features
 layer, static shapes, and a module path (``nn_module_stack``, e.g. ``lm_head`` or ``model.layers.0.mlp.up_proj``)
 matching none of ``skip``. Each rewrite then asks the cost model whether it pays at its shape (``decide``, as
 the fusion passes do: ``"always"`` for every eligible layer); where no calibration or measurement says so it
-declines with the reason. The lossy guard measures the graph's output error and backs out every layer whose
-rewrite alone puts it under ``error_bound_db`` (in dB of signal-to-noise ratio against the unmodified graph).
+declines with the reason. The lossy guard measures each layer's own error on the example inputs (its output
+against ``F.linear`` on the same inputs, in dB of signal-to-noise ratio) and backs out every layer under
+``error_bound_db``; the report has each layer's figure and the graph output's.
 
 fp8 matrix products need compute capability 8.9 (Ada) or newer: asking for the pass on an older GPU is an
 error that says so. On the CPU ``torch._scaled_mm`` runs too (how CI tests the rewrite and its numerics).
@@ -55,7 +56,7 @@ class Fp8Options:
     skip: tuple[str, ...] = ()
     # leave layers with fewer input or output features than this alone
     min_features: int = 16
-    # the lossy guard backs out a layer whose rewrite puts the graph's output under this many dB of SQNR
+    # the lossy guard backs out a layer whose own output is under this many dB of SQNR (on the example inputs)
     error_bound_db: float = DEFAULT_BOUND_DB
     # "auto": cached measurements, else the calibrated cost model; "measure": time on the device at compile
     # time (the default under mode="max-autotune"); "always": every eligible layer
@@ -121,10 +122,16 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
                           fake_fn=lambda x, w, b, **_: F.linear(x, w, b))
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
+        ctx.check_locally(node.name, new, _exact)  # the guard's figure for this layer alone
         ctx.count()
         ctx.note(f"{label}: {M}x{K} @ {K}x{N} in fp8, {recipe}")
         changed = True
     return changed
+
+
+def _exact(x, w, b=None, **_recipe):
+    """What an ``fp8_linear`` node replaced, on its arguments: the lossy guard's reference for that layer."""
+    return F.linear(x, w, b)
 
 
 def _operands(node: fx.Node):

@@ -44,10 +44,15 @@ class Block(nn.Module):
         return self.odd(self.head(self.down(torch.relu(self.up(x))) + x))
 
 
-def _run(options, train=True, x=None):
+def _run(options, train=True, x=None, outlier=False):
     torch._dynamo.reset()  # a fresh compile each time: a recompile would make the shapes dynamic
     torch.manual_seed(0)
     model = Block()
+    if outlier:  # one huge weight on an input feature that is always 0 ("down" reads relu(up(x)), and up's
+        # feature 0 is relu(-1)): no signal, but the tensorwise scale leaves the other weights no fp8 steps
+        with torch.no_grad():
+            model.up.weight[0], model.up.bias[0] = 0, -1
+            model.down.weight[0, 0] = 1e5
     x = torch.randn(2, 8, 64) if x is None else x
     ref_model = Block().double()
     ref_model.load_state_dict(model.state_dict())
@@ -117,15 +122,37 @@ def test_an_all_zero_row_stays_finite_with_rowwise_scaling():
     assert sqnr_db(out, ref) >= FORWARD_DB
 
 
-def test_the_guard_backs_out_the_layers_under_the_bound():
-    # alone, each rewrite leaves the output at about 41, 43 and 29 dB here: a bound of 33 dB backs out the last
-    rec, out, ref, _ = _run({"decide": "always", "error_bound_db": 33}, train=False)
-    assert rec.status == "applied" and rec.matches == 2 and list(rec.backed_out) == ["linear_2"], rec
-    assert rec.backed_out["linear_2"] < 33 <= rec.error_db
-    assert "fp8_linear" in kpt_compiler.last_report().stages["pre_aot"].ops_after
-    rec, out, ref, _ = _run({"decide": "always", "error_bound_db": 80}, train=False)
-    assert rec.status == "backed_out" and len(rec.backed_out) == 3 and "every rewrite backed out" in rec.reason
-    assert sqnr_db(out, ref) > 100  # what runs is the unmodified graph
+def test_the_guard_measures_each_layer_and_backs_out_those_under_the_bound():
+    # each layer's own output against F.linear on the same inputs: about 29 dB for a plain layer here, and far
+    # less for "down", whose one outlier weight takes the tensorwise scale
+    rec, out, ref, _ = _run({"decide": "always", "error_bound_db": 20}, train=False, outlier=True)
+    assert rec.status == "applied" and rec.matches == 2 and list(rec.backed_out) == ["linear_1"], rec
+    assert rec.backed_out["linear_1"] < 20 and set(rec.layer_db) == {"linear", "linear_2"}
+    assert all(20 <= v < 40 for v in rec.layer_db.values()), rec.layer_db
+    assert rec.error_db >= 20 and "per rewrite" in rec.error_text()
+    ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
+    assert ops["fp8_linear"] == 2, ops
+    # a bound over every layer's figure backs them all out: what runs is the unmodified graph
+    rec, out, ref, _ = _run({"decide": "always", "error_bound_db": 45}, train=False)
+    assert rec.status == "backed_out" and len(rec.backed_out) == 3 and "every rewrite" in rec.reason, rec
+    assert sqnr_db(out, ref) > 100
+
+
+def test_each_layers_figure_is_its_own_error_against_eager():
+    """The guard's per-layer figure equals the SQNR of fp8_linear against F.linear computed here on the layer's
+    real input; the graph's figure is the output's against the unmodified graph."""
+    from kpt_compiler.passes._fp8_recipes import fp8_linear
+
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(2, 8, 64)
+    rec, out, *_ = _run({"decide": "always"}, train=False, x=x)
+    with torch.no_grad():
+        h = torch.relu(model.up(x))
+        want = sqnr_db(fp8_linear(x, model.up.weight, model.up.bias), model.up(x))
+        assert rec.layer_db["linear"] == pytest.approx(want, abs=1e-3)
+        assert rec.error_db == pytest.approx(sqnr_db(out, model(x)), abs=1e-3)
+    assert h.shape == (2, 8, 128)
 
 
 def test_off_by_default_and_declined_on_the_cpu_unless_always():
@@ -194,3 +221,20 @@ def test_gpt2_conv1d_addmm_is_a_linear_of_the_transposed_weight():
     assert rec.matches == 1, rec.notes
     ref = torch.addmm(layer.bias.double(), x.view(-1, 64).double(), layer.weight.double()).view(4, 8, 96)
     assert sqnr_db(out, ref) >= FORWARD_DB
+
+
+def test_each_layers_figure_is_in_the_summary_and_index_html(tmp_path):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    torch.compile(Block(), backend="kernelpytorch", options={
+        "codegen": "eager", "fp8": {"decide": "always"}, "dump_dir": str(tmp_path)})(torch.randn(2, 8, 64))
+    rec = kpt_compiler.last_report().pass_record("fp8")
+    page = (tmp_path / "index.html").read_text()
+    assert "SQNR per rewrite" in page
+    for label, value in rec.layer_db.items():
+        assert f"<td>{label}</td><td>{value:.1f}</td><td>kept</td>" in page
+    import json
+
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    [fp8] = [p for g in saved["graphs"] for s in g["stages"].values() for p in s["passes"] if p["name"] == "fp8"]
+    assert set(fp8["layer_db"]) == {"linear", "linear_1", "linear_2"}
