@@ -23,6 +23,7 @@ measured with (``kpt_compiler.cost_model.source_hash``). bf16 throughout. Tables
   fp8_linear_<recipe>      the fp8 pass's layer (passes/_fp8_recipes.py, quantization included) against the bf16
   fp8_linear_<recipe>_train  linear, both under torch.compile, forward / forward + backward (bench_fp8), at
                            FP8_SHAPES; recipes tensorwise, rowwise (not in the default --tables: ask for them)
+  fp8_linear_<g>_static    inference with the weight quantized beforehand (passes/_fp8_static.py), forward
 
 ``--tables`` runs some of them (each call adds its run to the file).
 """
@@ -44,7 +45,7 @@ from kpt_compiler import cost_model as cm
 from kpt_compiler.bench import git_commit
 
 TABLES = ("gated_linear", "linear_epilogue", "linear_epilogue_vs_gemm", "horizontal", "host", "ceilings")
-FP8_TABLES = tuple(f"fp8_linear_{r}{t}" for r in ("tensorwise", "rowwise") for t in ("", "_train"))
+FP8_TABLES = tuple(f"fp8_linear_{r}{t}" for r in ("tensorwise", "rowwise") for t in ("", "_train", "_static"))
 FP8_SHAPES = [(M, K, N) for M in (128, 2048, 8192) for K, N in ((4096, 4096), (4096, 14336), (14336, 4096))]
 # (M, K, widths) of the q/k/v cases: grouped-query as the zoo Llama (K=1024, k and v a quarter), multi-head
 HORIZONTAL = [(1, 1024, "gqa"), (128, 1024, "gqa"), (1024, 1024, "gqa"), (8192, 1024, "gqa"), (1024, 1024, "mha"),
@@ -177,18 +178,25 @@ def measure_fp8(table: str) -> dict:
     import benchmarks.bench_fp8 as bench
     from kpt_compiler.passes import _fp8_recipes
 
-    recipe = table.removeprefix("fp8_linear_").removesuffix("_train")
-    backward = table.endswith("_train")
+    from kpt_compiler.passes import _fp8_static
+
+    recipe = table.removeprefix("fp8_linear_").removesuffix("_train").removesuffix("_static")
+    backward, static = table.endswith("_train"), table.endswith("_static")
     points = []
     for M, K, N in FP8_SHAPES:
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16).requires_grad_()
-        w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5).requires_grad_()
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16).requires_grad_(not static)
+        w = (torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5).requires_grad_(not static)
         torch._dynamo.reset()  # a fresh compile per shape: no recompile limit, no dynamic shapes
         theirs = bench._time(torch.compile(F.linear), x, w, backward)
-        ours = bench._time(torch.compile(lambda x, w: _fp8_recipes.fp8_linear(x, w, recipe=recipe)), x, w, backward)
+        if static:  # the weight quantized once, outside the timed call, as an inference graph's parameter
+            q = _fp8_static.Fp8Weight(w, recipe, transposed=False)
+            fn = torch.compile(lambda x, w: _fp8_static.fp8_linear_static(x, q.w8, q.scale, granularity=recipe))
+        else:
+            fn = torch.compile(lambda x, w: _fp8_recipes.fp8_linear(x, w, recipe=recipe))
+        ours = bench._time(fn, x, w, backward)
         points.append({"M": M, "K": K, "N": N, "speedup": round(theirs / ours, 4), "ours_us": round(ours * 1e3, 2),
                        "theirs_us": round(theirs * 1e3, 2)})
-    return {"source": cm.source_hash(_fp8_recipes), "points": points}
+    return {"source": cm.source_hash(_fp8_static if static else _fp8_recipes), "points": points}
 
 
 def measure_ceilings() -> dict:

@@ -76,7 +76,19 @@ def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm
         for factory in pm.aot_contexts:  # e.g. the SDPA backend priority the attention pass chose
             stack.enter_context(factory())
         compiled = EMITTERS[pm.codegen](gm, example_inputs, pm)
-    return pm.run_wrap_stage(compiled, gm, is_inference)
+    compiled = pm.run_wrap_stage(compiled, gm, is_inference)
+    return _with_call_hooks(compiled, pm.call_hooks) if pm.call_hooks else compiled
+
+
+def _with_call_hooks(compiled: Callable, hooks: list[Callable]) -> Callable:
+    """The compiled callable with the passes' checks before each call (outermost: before any CUDA graph)."""
+
+    def call(*args: Any) -> Any:
+        for hook in hooks:
+            hook(args)
+        return compiled(*args)
+
+    return call
 
 
 def _compile_without(fired: list[str], error: Exception, gm: fx.GraphModule, example_inputs: Sequence[Any],

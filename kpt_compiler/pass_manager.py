@@ -65,6 +65,7 @@ class PassManager:
         self.pipeline = resolve_pipeline(options)
         self.cost_model = CostModel(target, options.mode, codegen)
         self.aot_contexts: list[Callable[[], Any]] = []  # from pre_aot passes that applied
+        self.call_hooks: list[Callable[[Sequence[Any]], None]] = []  # run before each call (ctx.before_each_call)
         # (stage, is_inference) of the graph an emitter is compiling now, for hooks that are not told (Inductor's)
         self.emitter_stage: list[tuple[str, bool]] = []
         self._fingerprint: str | None = None
@@ -213,6 +214,7 @@ class PassManager:
         self.aot_contexts += ctx.aot_contexts
         if not changed:
             return rec, code_before, None
+        self.call_hooks += ctx.call_hooks
         rec.status = "applied"
         before = code_before if code_before is not None else graph_utils.readable_code(gm, snap.graph)
         after = graph_utils.readable_code(gm)

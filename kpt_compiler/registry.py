@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch.fx as fx
 
@@ -84,6 +84,8 @@ class PassContext:
     # lossy passes: the labels of the rewrites proposed, and which may be made (None: all)
     proposed: list[str] = dataclasses.field(default_factory=list)
     allowed: frozenset[str] | None = None
+    # run before each call of the compiled graph, with its arguments (see before_each_call)
+    call_hooks: list[Callable[[Sequence[Any]], None]] = dataclasses.field(default_factory=list)
     # lossy passes that say what each rewrite replaced: label -> (the new node's name, the exact function)
     local_checks: dict[str, tuple[str, Callable[..., Any]]] = dataclasses.field(default_factory=dict)
     inputs_fn: Callable[[], list[Any]] | None = dataclasses.field(default=None, repr=False)
@@ -119,6 +121,12 @@ class PassContext:
         ``exact`` on the same inputs, in one run of the rewritten graph) instead of searching rewrite by
         rewrite with the whole graph's output (kpt_compiler.lossy_guard)."""
         self.local_checks[label] = (node.name, exact)
+
+    def before_each_call(self, hook: Callable[[Sequence[Any]], None]) -> None:
+        """Call ``hook(args)`` before each call of the compiled graph (its flat arguments, in placeholder
+        order): for a pass that computed something from an input at compile time and must see it change
+        (the fp8 pass's weights quantized once). Keep it cheap: it runs on every call."""
+        self.call_hooks.append(hook)
 
     def during_aot(self, context_factory: Callable[[], Any]) -> None:
         """Hold ``context_factory()`` while AOTAutograd traces this graph (pre_aot passes only): for choices the

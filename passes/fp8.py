@@ -32,11 +32,12 @@ from typing import Literal
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
+from torch._dynamo.source import ConstantSource
 
 from kpt_compiler import torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
-from . import _fp8_recipes
+from . import _fp8_recipes, _fp8_static
 from ._fp8_recipes import fp8_linear
 from kpt_compiler.cost_model import Candidate, CostModel
 
@@ -61,6 +62,9 @@ class Fp8Options:
     # "auto": cached measurements, else the calibrated cost model; "measure": time on the device at compile
     # time (the default under mode="max-autotune"); "always": every eligible layer
     decide: Literal["auto", "measure", "always"] = "auto"
+    # in inference graphs, quantize the weights that are parameters once, at compile time (passes/_fp8_static.py)
+    # instead of on every call; False: every call quantizes them, as in training
+    static_weights: bool = True
 
     def __post_init__(self):
         if self.min_features < 16 or self.min_features % 16:
@@ -95,6 +99,7 @@ def _supports(target, options) -> str | None:
 def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
     how = ctx.decide
     recipe, changed = ctx.options.chosen_recipe, False
+    static, saved = [], 0  # (placeholder index, Fp8Weight) of the weights quantized at compile time
     for node in list(gm.graph.nodes):
         if ir.kind(node) not in ("linear", "addmm"):
             continue
@@ -111,22 +116,73 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
         xv, (N, K) = ir.example_value(x), ir.example_value(w).shape[::-1] if transposed else ir.example_value(w).shape
         M = xv.numel() // K
         device, dtype = xv.device, xv.dtype
-        if not _decide(ctx, how, label, M, K, N, dtype, device, recipe, training=needs_grad(node)):
+        param = _static_weight(node, w, ctx) if ctx.options.static_weights else None
+        if not _decide(ctx, how, label, M, K, N, dtype, device, recipe, training=needs_grad(node),
+                       static=param is not None):
             continue
         if not ctx.propose(node.name):
             continue
         with gm.graph.inserting_before(node):
-            if transposed:  # addmm(b, x, W) with W [K, N], as GPT-2's Conv1D: the linear of W^T
-                w = ir.emit(gm.graph, torch.t, (w,), like=node)
-            new = ir.emit(gm.graph, fp8_linear, (x, w, b), {"recipe": recipe}, like=node,
-                          fake_fn=lambda x, w, b, **_: F.linear(x, w, b))
+            if param is not None:  # an inference graph's parameter: quantized now, once
+                new, exact, weight = _emit_static(gm, node, x, b, param, recipe, transposed, ctx)
+                static.append((_placeholder_index(gm.graph, w), weight))
+                saved += weight.nbytes
+            else:
+                if transposed:  # addmm(b, x, W) with W [K, N], as GPT-2's Conv1D: the linear of W^T
+                    w = ir.emit(gm.graph, torch.t, (w,), like=node)
+                new = ir.emit(gm.graph, fp8_linear, (x, w, b), {"recipe": recipe}, like=node,
+                              fake_fn=lambda x, w, b, **_: F.linear(x, w, b))
+                exact = _exact
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        ctx.check_locally(node.name, new, _exact)  # the guard's figure for this layer alone
+        ctx.check_locally(node.name, new, exact)  # the guard's figure for this layer alone
         ctx.count()
-        ctx.note(f"{label}: {M}x{K} @ {K}x{N} in fp8, {recipe}")
+        ctx.note(f"{label}: {M}x{K} @ {K}x{N} in fp8, {recipe}"
+                 + (", weight quantized at compile time" if param is not None else ""))
         changed = True
+    if static:
+        ctx.count("static_weights", len(static))
+        ctx.before_each_call(lambda args: _fp8_static.refresh(static, args))
+        ctx.note(f"{len(static)} weights quantized once, at compile time: {saved / 2**20:.1f} MiB of fp8 beside the "
+                 "module's own copies, which it keeps (each call checks that a weight did not change since)")
     return changed
+
+
+def _static_weight(node: fx.Node, w: fx.Node, ctx: PassContext) -> torch.Tensor | None:
+    """The parameter behind the weight of an inference layer, when it is a graph input (Dynamo's real one)."""
+    if needs_grad(node) or not isinstance(w, fx.Node) or w.op != "placeholder":
+        return None
+    try:
+        real = ctx.example_inputs[_placeholder_index(w.graph, w)]
+    except (RuntimeError, IndexError):  # no example inputs (a later stage), or not Dynamo's calling convention
+        return None
+    return real if isinstance(real, torch.nn.Parameter) else None
+
+
+def _placeholder_index(graph: fx.Graph, node: fx.Node) -> int:
+    return [n for n in graph.nodes if n.op == "placeholder"].index(node)
+
+
+def _emit_static(gm, node, x, b, param, recipe, transposed, ctx):
+    """``fp8_linear_static(x, w8, w_scale, b)`` reading the parameter's shared ``Fp8Weight`` as constants."""
+    granularity = "tensorwise" if recipe == "tensorwise" else "rowwise"
+    weight = _fp8_static.weight_for(param, granularity, transposed)
+    fake_mode = ir.example_value(x).fake_mode
+    consts = []
+    for kind, tensor in (("w8", weight.w8), ("scale", weight.scale)):
+        name = f"_kpt_fp8_{kind}_{node.name}"
+        gm.register_buffer(name, tensor)
+        # AOTAutograd lifts a Dynamo graph's buffers into inputs and wants the source of each (for guards on
+        # duplicated inputs, which these are not; and to treat them as static inputs under CUDA graphs)
+        if getattr(gm, "_param_name_to_source", None) is not None:
+            gm._param_name_to_source[name] = ConstantSource(name)
+        attr = gm.graph.get_attr(name)
+        attr.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True)
+        consts.append(attr)
+    new = ir.emit(gm.graph, _fp8_static.fp8_linear_static, (x, *consts, b), {"granularity": granularity},
+                  like=node)
+    w = param.detach().t() if transposed else param.detach()
+    return new, lambda x, _w8, _scale, b=None, **_: F.linear(x, w, b), weight
 
 
 def _exact(x, w, b=None, **_recipe):
@@ -179,27 +235,43 @@ def _module_path(node: fx.Node) -> str | None:
 
 
 def _decide(ctx: PassContext, how: str, label: str, M: int, K: int, N: int, dtype, device, recipe: str,
-            training: bool) -> bool:
+            training: bool, static: bool) -> bool:
     """The cost model's answer for one layer, from the card's ``fp8_linear_<recipe>[_train]`` table (forward, or
-    forward + backward where a gradient flows), or timed under "measure"; noted in the report either way."""
-    table = f"fp8_linear_{recipe}" + ("_train" if training else "")
+    forward + backward where a gradient flows) or ``fp8_linear_<granularity>_static`` (inference, the weight
+    quantized once), or timed under "measure"; noted in the report either way. Where the card has no
+    calibration of static weights, the per-call table answers: static weights only do less work."""
+    granularity = "tensorwise" if recipe == "tensorwise" else "rowwise"
+    cost_model = ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)
+    table, source = f"fp8_linear_{recipe}" + ("_train" if training else ""), _fp8_recipes
+    fallback = ""
+    if static:
+        cal = cost_model.calibration
+        if how == "measure" or cal is not None and cal.table(f"fp8_linear_{granularity}_static", dtype):
+            table, source = f"fp8_linear_{granularity}_static", _fp8_static
+        else:
+            fallback = " (no calibration with static weights here: the per-call figure, which they only beat)"
     measuring = how == "measure"
-    candidate = Candidate(table, M, {"K": K, "N": N}, dtype, _fp8_recipes, mkn=(M, K, N),
-                          ours=_call(M, K, N, dtype, device, recipe, training) if measuring else None,
+    candidate = Candidate(table, M, {"K": K, "N": N}, dtype, source, mkn=(M, K, N),
+                          ours=_call(M, K, N, dtype, device, recipe, training, static) if measuring else None,
                           baseline_ms=(lambda: _ms(_call(M, K, N, dtype, device, None, training))) if measuring
                           else None)
-    d = (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
+    d = cost_model.decide(how, candidate)
     if d.rewrite:
-        ctx.note(f"{label}: {table} {M}x{K}x{N} ({d.why})")
+        ctx.note(f"{label}: {table} {M}x{K}x{N} ({d.why}){fallback}")
     else:
-        ctx.near_miss(f"{label}: {table} not faster here ({d.why})")
+        ctx.near_miss(f"{label}: {table} not faster here ({d.why}){fallback}")
     return d.rewrite
 
 
-def _call(M, K, N, dtype, device, recipe, training):
-    """One layer call at this shape, ours (``recipe``) or the bf16 linear (None), with its backward if training."""
+def _call(M, K, N, dtype, device, recipe, training, static=False):
+    """One layer call at this shape, ours (``recipe``) or the bf16 linear (None), with its backward if training;
+    with ``static`` the weight quantized beforehand (an inference graph's parameter)."""
     x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=training)
     w = torch.randn(N, K, device=device, dtype=dtype, requires_grad=training)
+    if static:
+        granularity = "tensorwise" if recipe == "tensorwise" else "rowwise"
+        q = _fp8_static.Fp8Weight(w, granularity, transposed=False)
+        return lambda: _fp8_static.fp8_linear_static(x, q.w8, q.scale, granularity=granularity)
     fn = (lambda: F.linear(x, w)) if recipe is None else (lambda: fp8_linear(x, w, recipe=recipe))
     if not training:
         return fn

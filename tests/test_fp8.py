@@ -193,13 +193,20 @@ def test_auto_reads_the_committed_h100_tables_forward_and_training():
         pytest.skip("no H100 calibration committed")
     ctx = PassContext(options=fp8.Fp8Options(), target=h100, stage="pre_aot", is_inference=True, mode="default")
     args = (torch.bfloat16, "cpu", "tensorwise")
-    assert fp8._decide(ctx, "auto", "big", 8192, 4096, 14336, *args, training=False)
-    assert not fp8._decide(ctx, "auto", "small", 128, 4096, 4096, *args, training=False)
-    assert fp8._decide(ctx, "auto", "big-train", 8192, 4096, 14336, *args, training=True)
+    assert fp8._decide(ctx, "auto", "big", 8192, 4096, 14336, *args, training=False, static=False)
+    assert not fp8._decide(ctx, "auto", "small", 128, 4096, 4096, *args, training=False, static=False)
+    assert fp8._decide(ctx, "auto", "big-train", 8192, 4096, 14336, *args, training=True, static=False)
     notes = "\n".join(ctx.notes)
     assert "big: fp8_linear_tensorwise 8192x4096x14336" in notes and "1.50x over Inductor" in notes, notes
     assert "small: fp8_linear_tensorwise not faster here" in notes and "0.12x" in notes, notes
     assert "big-train: fp8_linear_tensorwise_train" in notes, notes
+    # static weights (inference): their own table where the card has one, else the per-call table, said so
+    fp8._decide(ctx, "auto", "static", 8192, 4096, 14336, *args, training=False, static=True)
+    from kpt_compiler.cost_model import CostModel
+
+    has_static = CostModel(h100).calibration.table("fp8_linear_tensorwise_static", torch.bfloat16)
+    assert ("static: fp8_linear_tensorwise_static" if has_static else "no calibration with static weights") \
+        in ctx.notes[-1], ctx.notes[-1]
 
 
 def test_gpt2_conv1d_addmm_is_a_linear_of_the_transposed_weight():
@@ -212,15 +219,81 @@ def test_gpt2_conv1d_addmm_is_a_linear_of_the_transposed_weight():
         def forward(self, x):
             return torch.addmm(self.bias, x.view(-1, 64), self.weight).view(*x.shape[:-1], 96)
 
-    torch._dynamo.reset()
     torch.manual_seed(0)
     layer = Conv1D()
     x = torch.randn(4, 8, 64)
-    out = torch.compile(layer, backend="kernelpytorch", options={"codegen": "eager", "fp8": {"decide": "always"}})(x)
-    rec = kpt_compiler.last_report().pass_record("fp8")
-    assert rec.matches == 1, rec.notes
     ref = torch.addmm(layer.bias.double(), x.view(-1, 64).double(), layer.weight.double()).view(4, 8, 96)
-    assert sqnr_db(out, ref) >= FORWARD_DB
+    for grad in (True, False):  # training: quantized per call; inference: the weight quantized once, transposed
+        torch._dynamo.reset()
+        with torch.set_grad_enabled(grad):
+            out = torch.compile(layer, backend="kernelpytorch",
+                                options={"codegen": "eager", "fp8": {"decide": "always"}})(x)
+        rec = kpt_compiler.last_report().pass_record("fp8")
+        assert rec.matches == 1 and rec.stats.get("static_weights", 0) == (0 if grad else 1), rec.notes
+        assert sqnr_db(out, ref) >= FORWARD_DB
+
+
+class Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _static(options=None, recipe="tensorwise"):
+    @torch.compile(backend="kernelpytorch", options={"codegen": "eager",
+                                                     "fp8": {"decide": "always", "recipe": recipe, **(options or {})}})
+    def run(model, x):
+        return model(x)
+
+    return run
+
+
+# two fp8 layers in a row: 25-27 dB measured here (a stale weight gives 0 dB or less)
+TWO_LAYERS_DB = 22.0
+
+
+def _db_against_float64(out, model, x):
+    ref = Mlp().double()
+    ref.load_state_dict(model.state_dict())
+    return sqnr_db(out, ref(x.double()))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_inference_weights_are_quantized_once_and_follow_the_parameters(recipe):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, other, x = Mlp(), Mlp(), torch.randn(4, 8, 64)
+    run = _static(recipe=recipe)
+    with torch.no_grad():
+        out = run(model, x)
+        report = kpt_compiler.last_report()
+        rec = report.pass_record("fp8")
+        assert rec.stats["static_weights"] == 2 and report.stages["pre_aot"].ops_after["fp8_linear_static"] == 2
+        assert any("quantized once, at compile time" in n for n in rec.notes), rec.notes
+        assert _db_against_float64(out, model, x) >= TWO_LAYERS_DB
+        # the weights change in place (an optimizer step, load_state_dict): the next call quantizes them again
+        model.up.weight.mul_(-1)
+        model.down.bias.add_(1)
+        assert _db_against_float64(run(model, x), model, x) >= TWO_LAYERS_DB
+        # the same compiled graph called with another module's parameters (Dynamo does not guard on them)
+        assert _db_against_float64(run(other, x), other, x) >= TWO_LAYERS_DB
+        assert _db_against_float64(run(model, x), model, x) >= TWO_LAYERS_DB
+    assert len(kpt_compiler.reports()) == 1  # one graph served all four calls
+
+
+def test_static_weights_off_quantizes_them_on_every_call():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(4, 8, 64)
+    with torch.no_grad():
+        out = _static({"static_weights": False})(model, x)
+    report = kpt_compiler.last_report()
+    assert report.stages["pre_aot"].ops_after.get("fp8_linear") == 2 and "fp8_linear_static" not in \
+        report.stages["pre_aot"].ops_after
+    assert _db_against_float64(out, model, x) >= TWO_LAYERS_DB
 
 
 def test_each_layers_figure_is_in_the_summary_and_index_html(tmp_path):
