@@ -267,3 +267,29 @@ def test_a_microbenchmark_writes_its_record_stamped_with_the_commit_and_its_tabl
     assert record["commit"] == "abc1234+dirty" and record["card"] == "some card" and record["rows"] == [{"a": 1}]
     assert record["date"] and record["torch"] == torch.__version__
     assert (tmp_path / "out" / "bench_x.md").read_text() == "| a |\n| 1 |\n"
+
+
+def test_the_torchao_baseline_keeps_the_output_layer_and_layers_fp8_cannot_take():
+    from benchmarks import torchao_fp8
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 40), torch.nn.Linear(40, 64),
+                                torch.nn.Linear(64, 64))
+    convert, kept = torchao_fp8.plan(model)
+    assert convert == ["0"] and set(kept) == {"1", "2", "3"}
+    assert "multiples of 16" in kept["1"] and "last nn.Linear" in kept["3"]
+    model.add_module("lm_head", torch.nn.Linear(64, 96))  # named: the output layer, whatever comes after it
+    model.add_module("tail", torch.nn.Linear(64, 64))
+    convert, kept = torchao_fp8.plan(model, skip=["0"])
+    assert convert == ["3", "tail"] and "lm_head" in kept["lm_head"] and "skip" in kept["0"]
+    assert torchao_fp8.plan(torch.nn.Linear(32, 32), keep_output=False) == ([""], {})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is not None, reason="torchao is installed here")
+def test_the_torchao_baseline_says_why_without_torchao():
+    from benchmarks import torchao_fp8
+
+    assert torchao_fp8.available().startswith("not installed") and torchao_fp8.version() is None
+    for convert in (torchao_fp8.convert_training, torchao_fp8.convert_inference):
+        with pytest.raises(zoo.MissingLibrary, match="torchao not installed") as e:
+            convert(torch.nn.Linear(32, 32))
+        assert isinstance(e.value, ImportError)
