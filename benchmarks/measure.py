@@ -84,23 +84,7 @@ def run_row(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Case
 def _measure(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Case, compile_kwargs: dict | None,
              device: str, rep_ms: float) -> dict[str, Any]:
     training = case.task == "training"
-    fn = torch.compile(model, **compile_kwargs) if compile_kwargs else model
-    cudagraphs = uses_cudagraphs(compile_kwargs)
-    target = None
-    if training:  # fixed random classes for the output's last dimension (next tokens, image classes)
-        g = torch.Generator().manual_seed(0)
-        target = torch.randint(0, ref.shape[-1], ref.shape[:-1], generator=g).flatten().to(device)
-
-    def step() -> torch.Tensor:
-        if cudagraphs:  # a new iteration for CUDA graph trees: the previous step's outputs are dead
-            torch.compiler.cudagraph_mark_step_begin()
-        if training:
-            model.zero_grad(set_to_none=True)
-        out = first_tensor(fn(*inputs))
-        if training:
-            F.cross_entropy(out.flatten(0, -2).float(), target).backward()
-        return out
-
+    step = make_step(model, inputs, ref, training, compile_kwargs, device)
     torch._dynamo.utils.counters.clear()
     with torch.set_grad_enabled(training):
         sync(device)
@@ -123,6 +107,70 @@ def _measure(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Cas
         "rel_err": rel_err,
         "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] if compile_kwargs else None,
     }
+
+
+def make_step(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, training: bool,
+              compile_kwargs: dict | None, device: str) -> Callable[[], torch.Tensor]:
+    """One timed step of a mode: the compiled (or eager) forward, and for training the loss and backward."""
+    fn = torch.compile(model, **compile_kwargs) if compile_kwargs else model
+    cudagraphs = uses_cudagraphs(compile_kwargs)
+    target = None
+    if training:  # fixed random classes for the output's last dimension (next tokens, image classes)
+        g = torch.Generator().manual_seed(0)
+        target = torch.randint(0, ref.shape[-1], ref.shape[:-1], generator=g).flatten().to(device)
+
+    def step() -> torch.Tensor:
+        if cudagraphs:  # a new iteration for CUDA graph trees: the previous step's outputs are dead
+            torch.compiler.cudagraph_mark_step_begin()
+        if training:
+            model.zero_grad(set_to_none=True)
+        out = first_tensor(fn(*inputs))
+        if training:
+            F.cross_entropy(out.flatten(0, -2).float(), target).backward()
+        return out
+
+    return step
+
+
+def interleaved(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Case,
+                modes: dict[str, dict | None], device: str, rounds: int, rep_ms: float) -> dict[str, dict]:
+    """Each mode compiled once and kept, then timed in turn, ``rounds`` times, the order rotated each round.
+
+    For rows the host bounds (a small model's training step without CUDA graphs: the GPU waits for Python),
+    the machine's drift from one minute to the next is larger than the difference between modes, and timing
+    the modes one after another ranks them by when they ran. Timed in turn, each round compares the modes
+    under the same conditions: per mode, the median over rounds of its median ms, and its speed-up over
+    Inductor as the median of the per-round ratios, with their 20th and 80th percentiles."""
+    training = case.task == "training"
+    steps = {}
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(training):
+        for mode, kwargs in modes.items():
+            with fresh_caches() if kwargs else contextlib.nullcontext():
+                steps[mode] = make_step(model, inputs, ref, training, kwargs, device)
+                steps[mode]()  # compiles forward and backward
+                sync(device)
+        names = list(steps)
+        times: dict[str, list[float]] = {m: [] for m in names}
+        for r in range(rounds):
+            for mode in names[r % len(names):] + names[:r % len(names)]:
+                times[mode].append(timing_ms(steps[mode], device, warmup_ms=rep_ms / 5, rep_ms=rep_ms).median)
+    del steps
+    cleanup(device)
+    out = {}
+    for mode, ms in times.items():
+        entry = {"rounds": rounds, "ms": _quantiles(ms)}
+        if "inductor" in times:
+            entry["vs_inductor"] = _quantiles([a / b for a, b in zip(times["inductor"], ms)])
+        out[mode] = entry
+    return out
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    """Median, 20th and 80th percentiles (interpolated as torch.quantile does)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    q = torch.quantile(t, torch.tensor([0.5, 0.2, 0.8], dtype=torch.float64)).tolist()
+    return {"median": q[0], "p20": q[1], "p80": q[2]}
 
 
 @contextlib.contextmanager

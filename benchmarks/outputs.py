@@ -77,6 +77,22 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "|" + " --- |" * len(COLUMNS),
     ]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    timed_in_turn = [r for r in rows if r.get("interleaved")]
+    if timed_in_turn:
+        rounds = next((r["interleaved"].get("rounds") for r in timed_in_turn if "rounds" in r["interleaved"]), "?")
+        lines += ["", f"Timed in turn (--interleave {rounds}: the case's modes compiled once each, then timed one "
+                      "after another, the order rotated each round; median over rounds [p20, p80]; vs Inductor: "
+                      "the median of the per-round ratios [p20, p80]):", "",
+                  "| model | task | shape | mode | median ms | vs Inductor |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in timed_in_turn:
+            fig = r["interleaved"]
+            if "error" in fig:
+                lines.append(f"| {r['model']} | {r['task']} | {r['shape']} | {r['mode']} | {fig['error']} | |")
+                continue
+            ms, vs = fig["ms"], fig.get("vs_inductor")
+            ratio = f"{vs['median']:.2f}x [{vs['p20']:.2f}, {vs['p80']:.2f}]" if vs else ""
+            lines.append(f"| {r['model']} | {r['task']} | {r['shape']} | {r['mode']} | {_ms(ms['median'])} "
+                         f"[{_ms(ms['p20'])}, {_ms(ms['p80'])}] | {ratio} |")
     if "elapsed_s" in meta:
         lines += ["", f"Run time {meta['elapsed_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -125,6 +141,12 @@ def write_plot(out: str, meta: dict, rows: list[dict]) -> str | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def interleaved_line(model: str, task: str, row: dict, fig: dict) -> str:
+    vs = fig.get("vs_inductor")
+    return (f"  in turn, {fig['rounds']} rounds: {model} {task} {row['mode']}: median {_ms(fig['ms']['median'])} ms"
+            + (f", {vs['median']:.2f}x Inductor [{vs['p20']:.2f}, {vs['p80']:.2f}]" if vs else ""))
 
 
 def progress_line(row: dict, index: int, total: int, elapsed_s: float) -> str:

@@ -71,6 +71,9 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=None,
                    help="skip the rows that would end past this (default: 4.5 quick, 9 full)")
     p.add_argument("--rep-ms", type=float, default=None, help="timing budget per row (default: 1000 cuda, 200 cpu)")
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="after each case, compile its modes again and time them in turn, ROUNDS times (for rows "
+                        "the host bounds, whose drift over a run is larger than the modes' difference)")
     p.add_argument("--save", action="store_true", help="also copy the JSON and table into benchmarks/results/<card>/")
     return p.parse_args(argv)
 
@@ -137,7 +140,7 @@ def _meta(args: argparse.Namespace, command: str, device: str, modes: list[str],
 
 
 def _run(pairs: list[tuple[Entry, Case]], modes: dict[str, dict | None], device: str, rep_ms: float,
-         budget_s: float, start: float, out: str, meta: dict) -> list[dict[str, Any]]:
+         budget_s: float, start: float, out: str, meta: dict, interleave: int = 0) -> list[dict[str, Any]]:
     dtype, dtype_name = DTYPES[device]
     rows: list[dict[str, Any]] = []
     total = sum(1 for _, case in pairs for kw in modes.values() if case.cudagraphs or not uses_cudagraphs(kw))
@@ -190,6 +193,9 @@ def _run(pairs: list[tuple[Entry, Case]], modes: dict[str, dict | None], device:
             rows.append(row)
             print(outputs.progress_line(row, len(rows), total, time.monotonic() - start), flush=True)
             outputs.write_json(out, meta, rows)  # after every row, so a killed run keeps what it measured
+        if interleave and ref is not None and not out_of_time:
+            _interleave(model, inputs, ref, entry, case, modes, case_rows, device, interleave, rep_ms)
+            outputs.write_json(out, meta, rows)
         del ref, inputs
     del model
     measure.cleanup(device)
@@ -228,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             torch._functorch.config.patch(enable_autograd_cache=False):
         if device == "cuda":  # on the CPU (CI) a warm-up compile would cost more than it explains
             measure.warm_up(device)
-        rows = _run(pairs, modes, device, rep_ms, budget_s, start, args.out, meta)
+        rows = _run(pairs, modes, device, rep_ms, budget_s, start, args.out, meta, args.interleave)
 
     meta["elapsed_s"] = round(time.monotonic() - start, 1)
     outputs.write_json(args.out, meta, rows)
@@ -245,6 +251,24 @@ def main(argv: list[str] | None = None) -> int:
           f"in {meta['elapsed_s']:.0f} s\n", flush=True)
     print(table, flush=True)
     return 0
+
+
+def _interleave(model, inputs, ref, entry: Entry, case: Case, modes: dict, case_rows: dict[str, dict], device: str,
+                rounds: int, rep_ms: float) -> None:
+    """Time the case's modes that ran in turn (measure.interleaved) and add the figures to their rows."""
+    ran = {m: modes[m] for m, row in case_rows.items() if row["status"] == "ok" and m in modes}
+    if len(ran) < 2:
+        return
+    try:
+        figures = measure.interleaved(model, inputs, ref, case, ran, device, rounds, rep_ms / rounds)
+    except Exception as e:  # noqa: BLE001 - the rows measured one after another stand
+        traceback.print_exc()
+        for m in ran:
+            case_rows[m]["interleaved"] = {"error": measure.error_status(e)}
+        return
+    for m, fig in figures.items():
+        case_rows[m]["interleaved"] = fig
+        print(outputs.interleaved_line(entry.name, case.task, case_rows[m], fig), flush=True)
 
 
 def _ratios(row: dict, case_rows: dict[str, dict]) -> None:

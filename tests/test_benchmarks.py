@@ -293,3 +293,44 @@ def test_the_torchao_baseline_says_why_without_torchao():
         with pytest.raises(zoo.MissingLibrary, match="torchao not installed") as e:
             convert(torch.nn.Linear(32, 32))
         assert isinstance(e.value, ImportError)
+
+
+def test_modes_timed_in_turn_give_paired_ratios_and_a_table(monkeypatch):
+    """--interleave: each mode compiled once, then timed round by round (the order rotated); the ratio to
+    Inductor is the median of the rounds' ratios. Here "inductor" is Dynamo's eager backend (cheap) and a
+    slowed copy of the step must come out about 2x slower in every round."""
+    from benchmarks import measure, outputs
+    from benchmarks.zoo import CPU_ZOO
+
+    entry = next(e for e in CPU_ZOO if e.name == "tiny-gpt")
+    case = next(c for c in entry.cases if c.task == "training")
+    model, make_inputs = measure.prepare(entry, "cpu", torch.float32)
+    inputs = make_inputs(case.batch, case.seq, "cpu")
+    ref = measure.reference(model, inputs, True)
+    real = measure.make_step
+    order = []
+
+    def make_step(model, inputs, ref, training, kwargs, device):
+        step = real(model, inputs, ref, training, kwargs, device)
+        name = "slow" if kwargs and kwargs.get("slow") else "inductor"
+
+        def timed():
+            order.append(name)
+            for _ in range(2 if name == "slow" else 1):
+                out = step()
+            return out
+        return timed
+
+    monkeypatch.setattr(measure, "make_step", make_step)
+    modes = {"inductor": {"backend": "eager"}, "slow": {"backend": "eager", "slow": True}}
+    monkeypatch.setattr(torch, "compile", lambda model, backend, slow=False: torch._dynamo.optimize(backend)(model))
+    figures = measure.interleaved(model, inputs, ref, case, modes, "cpu", rounds=4, rep_ms=20)
+    assert figures["inductor"]["vs_inductor"]["median"] == 1.0 and figures["slow"]["rounds"] == 4
+    assert 1.5 < 1 / figures["slow"]["vs_inductor"]["median"] < 2.6, figures
+    firsts = [order[i] for i in range(len(order)) if i == 0 or order[i] != order[i - 1]]
+    assert firsts[:3] == ["inductor", "slow", "inductor"]  # the rounds alternate which mode goes first
+    row = {"model": "tiny-gpt", "task": "training", "shape": "1x32", "dtype": "fp32", "mode": "slow",
+           "status": "ok", "ms": 1.0, "interleaved": figures["slow"]}
+    table = outputs.markdown({"suite": "quick", "card_detail": "cpu", "date": "d", "torch": "t", "command": "c",
+                              "timing": "t", "caches": "c", "reference": "r"}, [row])
+    assert "Timed in turn (--interleave 4" in table and "| tiny-gpt | training | 1x32 | slow |" in table
