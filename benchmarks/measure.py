@@ -112,6 +112,15 @@ def _measure(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Cas
 def make_step(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, training: bool,
               compile_kwargs: dict | None, device: str) -> Callable[[], torch.Tensor]:
     """One timed step of a mode: the compiled (or eager) forward, and for training the loss and backward."""
+    if compile_kwargs and "torchao" in compile_kwargs:  # torchao's float8 on a copy: the others keep the model
+        from . import torchao_fp8
+
+        recipe, compile_kwargs = compile_kwargs["torchao"], {k: v for k, v in compile_kwargs.items() if k != "torchao"}
+        model = copy.deepcopy(model)
+        if training:
+            model = torchao_fp8.convert_training(model, recipe)
+        else:
+            model = torchao_fp8.convert_inference(model.requires_grad_(False), recipe)
     fn = torch.compile(model, **compile_kwargs) if compile_kwargs else model
     cudagraphs = uses_cudagraphs(compile_kwargs)
     target = None

@@ -3,7 +3,8 @@
     python -m benchmarks.run --suite quick --device cuda --out benchmarks/out
 
 Modes: ``eager``; ``inductor`` (torch.compile's default); ``inductor-ro`` (mode="reduce-overhead");
-``kpt`` (backend="kernelpytorch", default options); ``kpt[<set>]`` for each set in benchmarks/option_sets.py.
+``kpt`` (backend="kernelpytorch", default options); ``kpt[<set>]`` for each set in benchmarks/option_sets.py;
+``torchao-fp8-<recipe>`` (torchao's float8 on a copy of the model, Inductor; only when asked for by --modes).
 The reduce-overhead modes run only on cuda, and only for the cases that declare CUDA graphs worth timing.
 
 Per row: compile s (wall time of the first call, synchronized: Inductor's FX-graph and AOTAutograd caches are
@@ -57,6 +58,10 @@ def all_modes() -> dict[str, dict[str, Any] | None]:
     }
     for name, options in OPTION_SETS.items():
         modes[f"kpt[{name}]"] = {"backend": "kernelpytorch", "options": dict(options)}
+    # torchao's float8 (benchmarks/torchao_fp8.py) on a copy of the model, compiled by Inductor: the fp8 pass's
+    # baseline. Last: torchao's training conversion patches Inductor for the rest of the process.
+    for recipe in ("tensorwise", "rowwise"):
+        modes[f"torchao-fp8-{recipe}"] = {"backend": "inductor", "torchao": recipe}
     return modes
 
 
@@ -80,6 +85,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _select_modes(arg: str | None, device: str) -> dict[str, dict[str, Any] | None]:
     modes = all_modes()
+    if arg is None:  # torchao's baselines only when asked for (they need torchao, and patch Inductor)
+        modes = {m: kw for m, kw in modes.items() if not (kw and "torchao" in kw)}
     if arg is None:  # CUDA graphs mean nothing on the CPU
         return {m: kw for m, kw in modes.items() if device == "cuda" or not uses_cudagraphs(kw)}
     names = [m.strip() for m in arg.split(",") if m.strip()]

@@ -1,6 +1,8 @@
 """The fp8 pass on the GPU: each recipe's numerics in bf16 on an fp8 card, a compiled training step through
 Inductor, and what decide="auto" and "measure" say where no calibration exists."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -94,3 +96,25 @@ def test_auto_reads_the_cards_fp8_table():
                         key=lambda p: abs(p["M"] - rows) + abs(p["N"] - 14336) + abs(p["K"] - 4096))
             assert rec.matches == (1 if point["speedup"] >= 1.03 else 0), (rec.notes, point)
             assert any("cost model" in n for n in rec.notes), rec.notes
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_inference_weights_quantized_once_follow_changes_under_inductor_and_cuda_graphs(recipe, mode):
+    """Static weights through Inductor (and replayed CUDA graphs): the weight is a constant of the graph, an
+    in-place change of the parameter is seen at the next call, and the output is fp8-accurate throughout."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP().cuda().bfloat16().eval()
+    x = torch.randn(8, 256, 1024, device="cuda", dtype=torch.bfloat16)
+    options = {"fp8": {"recipe": recipe, "decide": "always"}, **({"mode": mode} if mode != "default" else {})}
+    compiled = torch.compile(model, backend="kernelpytorch", options=options)
+    with torch.no_grad():
+        for step in range(3):
+            if step == 2:
+                model.up.weight.mul_(-1)  # as load_state_dict or an optimizer would
+            out = compiled(x).clone()
+            ref = copy.deepcopy(model).float()(x.float())
+            assert sqnr_db(out, ref) >= 22, (step, sqnr_db(out, ref))
+    rec = kpt_compiler.last_report().pass_record("fp8")
+    assert rec.stats["static_weights"] == 2 and all(v >= 25 for v in rec.layer_db.values()), rec
