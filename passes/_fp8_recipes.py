@@ -16,6 +16,9 @@ The recipes are torchao's float8 training recipes:
 - ``rowwise``: one scale per row of each operand along its reduction dimension, e4m3 throughout;
 - ``rowwise_with_gw_hp``: rowwise, but the weight gradient computed in the layer's precision.
 
+As torchao's recipes do, the forward GEMM accumulates in Hopper's fast fp8 mode (``use_fast_accum``) and the
+gradient GEMMs with full promotion to fp32.
+
 ``fp8_linear`` is what the fp8 pass puts into Dynamo's graph in place of ``F.linear``: plain torch ops inside a
 ``torch.autograd.Function``, so AOTAutograd traces the forward and this backward, and Inductor fuses each
 amax and cast into the kernels around them.
@@ -39,9 +42,11 @@ def quantize(t: torch.Tensor, fp8: torch.dtype, dim: int | None = None) -> tuple
     return (t.float() / scale).clamp(-top, top).to(fp8), scale
 
 
-def _mm(a8, sa, b8, sb, out_dtype, bias=None):
-    """(a8 * sa) @ (b8 * sb); ``a8`` row-major, ``b8`` column-major, as ``_scaled_mm`` wants them."""
-    return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
+def _mm(a8, sa, b8, sb, out_dtype, bias=None, fast_accum=False):
+    """(a8 * sa) @ (b8 * sb); ``a8`` row-major, ``b8`` column-major, as ``_scaled_mm`` wants them.
+    ``fast_accum``: Hopper's faster fp8 accumulation (fewer promotions to fp32), for the forward GEMM only."""
+    return torch._scaled_mm(a8, b8, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 def _col_major(t: torch.Tensor) -> torch.Tensor:
@@ -55,11 +60,11 @@ class _Fp8Linear(torch.autograd.Function):
         if recipe == "tensorwise":
             x8, sx = quantize(x2, E4M3)
             w8, sw = quantize(w, E4M3)
-            out = _mm(x8, sx, w8.t(), sw, dtype, bias)
+            out = _mm(x8, sx, w8.t(), sw, dtype, bias, fast_accum=True)
         else:
             x8, sx = quantize(x2, E4M3, dim=-1)  # [M, 1]: per row of x along K
             w8, sw = quantize(w, E4M3, dim=-1)  # [N, 1]: per output channel along K
-            out = _mm(x8, sx, w8.t(), sw.t(), dtype)
+            out = _mm(x8, sx, w8.t(), sw.t(), dtype, fast_accum=True)
             if bias is not None:
                 out = out + bias
         ctx.save_for_backward(x2, w)

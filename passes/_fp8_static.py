@@ -95,10 +95,10 @@ def fp8_linear_static(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, 
     x2 = x.reshape(-1, x.shape[-1])
     if granularity == "tensorwise":
         x8, sx = quantize(x2, E4M3)
-        out = _mm(x8, sx, w8.t(), w_scale, x.dtype, bias)
+        out = _mm(x8, sx, w8.t(), w_scale, x.dtype, bias, fast_accum=True)
     else:
         x8, sx = quantize(x2, E4M3, dim=-1)  # [M, 1]
-        out = _mm(x8, sx, w8.t(), w_scale, x.dtype)
+        out = _mm(x8, sx, w8.t(), w_scale, x.dtype, fast_accum=True)
         if bias is not None:
             out = out + bias
     return out.reshape(*x.shape[:-1], w8.shape[0])
