@@ -23,8 +23,12 @@ import weakref
 from typing import Sequence
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._fp8_recipes import E4M3, _mm, quantize
+
+# what keys the cost model's static-weight tables: this file and the quantization and GEMM it calls
+SOURCE_MODULES = ("_fp8_static", "_fp8_recipes")
 
 
 class Fp8Weight:
@@ -66,7 +70,8 @@ class Fp8Weight:
         return self.w8.nbytes + self.scale.nbytes
 
 
-_TABLE: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
+# by the parameter's identity (a WeakKeyDictionary would compare tensors with ==), not keeping it alive
+_TABLE = WeakIdKeyDictionary()
 
 
 def weight_for(param: torch.Tensor, granularity: str, transposed: bool) -> Fp8Weight:
