@@ -14,7 +14,8 @@ its version, its storage) with the argument the graph gets, and quantizes again,
 the result is never computed from a stale weight. The check costs well under a microsecond per layer.
 
 One ``Fp8Weight`` per parameter (and scaling) is shared by every graph compiled from it (a recompile for
-another input shape adds no copy): ``weight_for`` keeps them in a table that does not keep parameters alive.
+another input shape adds no copy): ``weight_for`` keeps them in a table that keeps neither the parameters nor
+the fp8 copies alive (a copy goes with the last compiled graph that reads it).
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ _TABLE = WeakIdKeyDictionary()
 
 def weight_for(param: torch.Tensor, granularity: str, transposed: bool) -> Fp8Weight:
     """The shared ``Fp8Weight`` of ``param`` (quantized now if none is, or if it changed since)."""
-    per_param = _TABLE.setdefault(param, {})
+    per_param = _TABLE.get(param)
+    if per_param is None:  # held weakly: an Fp8Weight lives as long as a compiled graph uses it
+        per_param = _TABLE[param] = weakref.WeakValueDictionary()
     key = (granularity, transposed)
     weight = per_param.get(key)
     if weight is None:

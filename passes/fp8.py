@@ -39,7 +39,7 @@ from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _fp8_recipes, _fp8_static
 from ._fp8_recipes import fp8_linear
-from kpt_compiler.cost_model import Candidate, CostModel
+from kpt_compiler.cost_model import Candidate, CostModel, source_hash
 
 from ._fusion_common import needs_grad
 
@@ -246,10 +246,13 @@ def _decide(ctx: PassContext, how: str, label: str, M: int, K: int, N: int, dtyp
     fallback = ""
     if static:
         cal = cost_model.calibration
-        if how == "measure" or cal is not None and cal.table(f"fp8_linear_{granularity}_static", dtype):
+        entry = cal.table(f"fp8_linear_{granularity}_static", dtype) if cal is not None else None
+        if how == "measure" or entry and entry["source"] == source_hash(_fp8_static):
             table, source = f"fp8_linear_{granularity}_static", _fp8_static
         else:
-            fallback = " (no calibration with static weights here: the per-call figure, which they only beat)"
+            fallback = (" (no calibration with static weights here" if not entry else
+                        " (the static-weight table was calibrated with other kernel source")
+            fallback += ": the per-call figure, which static weights only beat)"
     measuring = how == "measure"
     candidate = Candidate(table, M, {"K": K, "N": N}, dtype, source, mkn=(M, K, N),
                           ours=_call(M, K, N, dtype, device, recipe, training, static) if measuring else None,
