@@ -213,7 +213,7 @@ def test_auto_reads_the_committed_h100_tables_forward_and_training():
 
     static = CostModel(h100).calibration.table("fp8_linear_tensorwise_static", torch.bfloat16)
     has_static = static and static["source"] == source_hash(_fp8_static)
-    assert ("static: fp8_linear_tensorwise_static" if has_static else "no calibration with static weights") \
+    assert ("static: fp8_linear_tensorwise_static" if has_static else "the per-call figure") \
         in ctx.notes[-1], ctx.notes[-1]
 
 
