@@ -99,7 +99,7 @@ def _supports(target, options) -> str | None:
 def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
     how = ctx.decide
     recipe, changed = ctx.options.chosen_recipe, False
-    static, saved = [], 0  # (placeholder index, Fp8Weight) of the weights quantized at compile time
+    static, saved, kept = [], 0, 0  # (placeholder index, Fp8Weight) of the weights quantized at compile time
     for node in list(gm.graph.nodes):
         if ir.kind(node) not in ("linear", "addmm"):
             continue
@@ -127,6 +127,7 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
                 new, exact, weight = _emit_static(gm, node, x, b, param, recipe, transposed, ctx)
                 static.append((_placeholder_index(gm.graph, w), weight))
                 saved += weight.nbytes
+                kept += param.nbytes
             else:
                 if transposed:  # addmm(b, x, W) with W [K, N], as GPT-2's Conv1D: the linear of W^T
                     w = ir.emit(gm.graph, torch.t, (w,), like=node)
@@ -144,7 +145,8 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
         ctx.count("static_weights", len(static))
         ctx.before_each_call(lambda args: _fp8_static.refresh(static, args))
         ctx.note(f"{len(static)} weights quantized once, at compile time: {saved / 2**20:.1f} MiB of fp8 beside the "
-                 "module's own copies, which it keeps (each call checks that a weight did not change since)")
+                 f"module's own copies ({kept / 2**20:.1f} MiB), which it keeps: each call checks that a weight did "
+                 "not change since, and a recompile quantizes from them")
     return changed
 
 
