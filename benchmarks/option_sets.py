@@ -14,6 +14,9 @@ OPTION_SETS: dict[str, dict] = {
     "no-horizontal": {"merge_parallel_linears": False},  # fusion without q/k/v merging: what that pass buys
     "fp8": {"fp8": True},  # lossy, opt-in: fp8 linears where the card's calibration says they pay
     "fp8-rowwise": {"fp8": {"granularity": "rowwise"}},
+    # inference weights quantized once for every parameter (the default does it for frozen ones only)
+    "fp8-static": {"fp8": {"static_weights": True}},
+    "fp8-rowwise-static": {"fp8": {"granularity": "rowwise", "static_weights": True}},
     "fusion-always": {"fusion": {"decide": "always"}},  # every fusion taken: checks the cost model's refusals
     "fusion-measure": {"fusion": {"decide": "measure"}},  # decisions timed on the device at compile time
 }

@@ -125,7 +125,10 @@ class PassContext:
     def before_each_call(self, hook: Callable[[Sequence[Any]], None]) -> None:
         """Call ``hook(args)`` before each call of the compiled graph (its flat arguments, in placeholder
         order): for a pass that computed something from an input at compile time and must see it change
-        (the fp8 pass's weights quantized once). Keep it cheap: it runs on every call."""
+        (the fp8 pass's weights quantized once). Keep it cheap: it runs on every call. pre_aot passes only:
+        later stages' graphs take other arguments."""
+        if self.stage != "pre_aot":
+            raise RuntimeError("before_each_call is for pre_aot passes: later graphs are called with other arguments")
         self.call_hooks.append(hook)
 
     def during_aot(self, context_factory: Callable[[], Any]) -> None:

@@ -7,11 +7,15 @@ quantizes only the activation::
 
     y = fp8_linear_static(x, w8, w_scale, b, granularity=...)      # x -> (x8, sx); torch._scaled_mm
 
-A parameter can still change: ``load_state_dict`` and optimizer steps write into it in place (its ``_version``
-goes up), and a compiled graph can be called with another module's parameters (Dynamo does not guard on their
+A parameter can still change: ``load_state_dict`` and in-place ops write into it (its ``_version`` goes up),
+and a compiled graph can be called with another module's parameters (Dynamo does not guard on their
 identity). So before each call ``refresh`` compares what each weight was quantized from (the tensor object,
-its version, its storage) with the argument the graph gets, and quantizes again, in place, where they differ:
-the result is never computed from a stale weight. The check costs well under a microsecond per layer.
+its version, its storage) with the argument the graph gets, and quantizes again, in place, where they differ.
+The check costs well under a microsecond per layer. It cannot see writes that bump no version: through
+``param.data`` (``p.data.copy_(...)``) and a fused optimizer's step (``AdamW(fused=True)``). That is why the
+pass quantizes once, by default, only parameters with ``requires_grad=False`` (frozen: no optimizer steps
+them); with ``static_weights=True`` it takes every parameter, and after such a write the user calls
+``refresh_weights(module)``.
 
 One ``Fp8Weight`` per parameter (and scaling) is shared by every graph compiled from it (a recompile for
 another input shape adds no copy): ``weight_for`` keeps them in a table that keeps neither the parameters nor
@@ -38,7 +42,7 @@ class Fp8Weight:
     ``param`` (or ``param.t()`` where the layer stores the weight [K, N], as GPT-2's Conv1D)."""
 
     def __init__(self, param: torch.Tensor, granularity: str, transposed: bool):
-        self.granularity, self.transposed = granularity, transposed
+        self.granularity, self.transposed, self.dtype = granularity, transposed, param.dtype
         self.w8, self.scale = self._quantize(param)
         self._seen(param)
 
@@ -55,6 +59,11 @@ class Fp8Weight:
     def _seen(self, param: torch.Tensor) -> None:
         self.source = weakref.ref(param)
         self.version, self.ptr = param._version, param.data_ptr()
+
+    def fits(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` can be quantized into this copy's tensors (same shape, dtype and device)."""
+        shape = tuple(param.shape[::-1] if self.transposed else param.shape)
+        return shape == tuple(self.w8.shape) and param.device == self.w8.device and param.dtype == self.dtype
 
     def stale(self, param: torch.Tensor) -> bool:
         return self.source() is not param or param._version != self.version or param.data_ptr() != self.ptr
@@ -82,11 +91,24 @@ def weight_for(param: torch.Tensor, granularity: str, transposed: bool) -> Fp8We
         per_param = _TABLE[param] = weakref.WeakValueDictionary()
     key = (granularity, transposed)
     weight = per_param.get(key)
-    if weight is None:
+    if weight is None or not weight.fits(param):  # new, or the parameter changed shape, dtype or device (Dynamo
+        # recompiled for it): a new copy, the graphs compiled before keep theirs
         weight = per_param[key] = Fp8Weight(param, granularity, transposed)
     elif weight.stale(param):
         weight.refresh(param)
     return weight
+
+
+def refresh_weights(module: torch.nn.Module) -> int:
+    """Quantize again every static fp8 copy of ``module``'s parameters (after a write the check before each call
+    cannot see: ``param.data.copy_(...)``, a fused optimizer's step). Returns how many it refreshed."""
+    done = 0
+    for param in module.parameters():
+        for weight in list((_TABLE.get(param) or {}).values()):
+            if weight.fits(param):
+                weight.refresh(param)
+                done += 1
+    return done
 
 
 def refresh(weights: Sequence[tuple[int, Fp8Weight]], args: Sequence[torch.Tensor]) -> None:

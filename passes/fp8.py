@@ -62,9 +62,12 @@ class Fp8Options:
     # "auto": cached measurements, else the calibrated cost model; "measure": time on the device at compile
     # time (the default under mode="max-autotune"); "always": every eligible layer
     decide: Literal["auto", "measure", "always"] = "auto"
-    # in inference graphs, quantize the weights that are parameters once, at compile time (passes/_fp8_static.py)
-    # instead of on every call; False: every call quantizes them, as in training
-    static_weights: bool = True
+    # in inference graphs, quantize weights that are parameters once, at compile time (passes/_fp8_static.py),
+    # instead of on every call. "frozen": the parameters with requires_grad=False (frozen by the user: no
+    # optimizer steps them); True: every parameter (a write the check before each call cannot see, through
+    # ``.data`` or a fused optimizer's step, is then the user's to announce: _fp8_static.refresh_weights);
+    # False: none, every call quantizes them, as in training
+    static_weights: bool | Literal["frozen"] = "frozen"
 
     def __post_init__(self):
         if self.min_features < 16 or self.min_features % 16:
@@ -158,7 +161,9 @@ def _static_weight(node: fx.Node, w: fx.Node, ctx: PassContext) -> torch.Tensor 
         real = ctx.example_inputs[_placeholder_index(w.graph, w)]
     except (RuntimeError, IndexError):  # no example inputs (a later stage), or not Dynamo's calling convention
         return None
-    return real if isinstance(real, torch.nn.Parameter) else None
+    if not isinstance(real, torch.nn.Parameter) or ctx.options.static_weights == "frozen" and real.requires_grad:
+        return None
+    return real
 
 
 def _placeholder_index(graph: fx.Graph, node: fx.Node) -> int:

@@ -234,8 +234,8 @@ def test_gpt2_conv1d_addmm_is_a_linear_of_the_transposed_weight():
     for grad in (True, False):  # training: quantized per call; inference: the weight quantized once, transposed
         torch._dynamo.reset()
         with torch.set_grad_enabled(grad):
-            out = torch.compile(layer, backend="kernelpytorch",
-                                options={"codegen": "eager", "fp8": {"decide": "always"}})(x)
+            out = torch.compile(layer, backend="kernelpytorch", options={
+                "codegen": "eager", "fp8": {"decide": "always", "static_weights": True}})(x)
         rec = kpt_compiler.last_report().pass_record("fp8")
         assert rec.matches == 1 and rec.stats.get("static_weights", 0) == (0 if grad else 1), rec.notes
         assert sqnr_db(out, ref) >= FORWARD_DB
@@ -251,8 +251,9 @@ class Mlp(nn.Module):
 
 
 def _static(options=None, recipe="tensorwise"):
-    @torch.compile(backend="kernelpytorch", options={"codegen": "eager",
-                                                     "fp8": {"decide": "always", "recipe": recipe, **(options or {})}})
+    fp8 = {"decide": "always", "recipe": recipe, "static_weights": True, **(options or {})}
+
+    @torch.compile(backend="kernelpytorch", options={"codegen": "eager", "fp8": fp8})
     def run(model, x):
         return model(x)
 
@@ -332,3 +333,48 @@ def test_one_parameter_serves_both_granularities_of_static_weights():
             rec = kpt_compiler.last_report().pass_record("fp8")
             assert rec.status == "applied" and rec.stats["static_weights"] == 2, (recipe, rec)
             assert _db_against_float64(out, model, x) >= TWO_LAYERS_DB
+
+
+def test_by_default_only_frozen_parameters_are_quantized_once():
+    """static_weights="frozen" (the default): a parameter that requires grad may be stepped by a fused optimizer,
+    whose writes bump no version, so it is quantized per call; a frozen one is quantized once."""
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(4, 8, 64)
+    model.down.requires_grad_(False)
+    run = _static({"static_weights": "frozen"})
+    with torch.no_grad():
+        torch._dynamo.reset()
+        out = run(model, x)
+    ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
+    assert ops.get("fp8_linear") == 1 and ops.get("fp8_linear_static") == 1, ops
+    assert _db_against_float64(out, model, x) >= TWO_LAYERS_DB
+
+
+def test_writes_the_check_cannot_see_are_announced_with_refresh_weights():
+    from kpt_compiler.passes._fp8_static import refresh_weights
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(4, 8, 64)
+    run = _static()
+    with torch.no_grad():
+        run(model, x)
+        model.up.weight.data.mul_(-1)  # through .data: no version bump, so the copy is stale until refreshed
+        assert _db_against_float64(run(model, x), model, x) < 10
+        assert refresh_weights(model) == 2
+        assert _db_against_float64(run(model, x), model, x) >= TWO_LAYERS_DB
+
+
+def test_a_parameter_that_changes_shape_gets_a_new_copy_and_the_pass_still_applies():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = Mlp(), torch.randn(4, 8, 64)
+    run = _static()
+    with torch.no_grad():
+        run(model, x)
+        model.down.weight.data = torch.randn(96, 128) * 0.1  # Dynamo recompiles for the new shape
+        model.down.bias.data = torch.randn(96)
+        out = run(model, x)
+        rec = kpt_compiler.last_report().pass_record("fp8")
+        assert rec.status == "applied" and rec.stats["static_weights"] == 2, rec
+        assert sqnr_db(out, model(x)) >= TWO_LAYERS_DB

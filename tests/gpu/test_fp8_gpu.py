@@ -87,7 +87,7 @@ def test_auto_reads_the_cards_fp8_table():
     table = "fp8_linear_tensorwise_static"
     if cal is None or cal.table(table, torch.bfloat16) is None:
         pytest.skip("no static-weight fp8 calibration for this card")
-    layer = nn.Linear(4096, 14336, bias=False).cuda().bfloat16()
+    layer = nn.Linear(4096, 14336, bias=False).cuda().bfloat16().requires_grad_(False)  # frozen: quantized once
     with torch.no_grad():
         for rows in (8192, 128):
             torch._dynamo.reset()
@@ -109,7 +109,8 @@ def test_inference_weights_quantized_once_follow_changes_under_inductor_and_cuda
     torch.manual_seed(0)
     model = MLP().cuda().bfloat16().eval()
     x = torch.randn(8, 256, 1024, device="cuda", dtype=torch.bfloat16)
-    options = {"fp8": {"recipe": recipe, "decide": "always"}, **({"mode": mode} if mode != "default" else {})}
+    options = {"fp8": {"recipe": recipe, "decide": "always", "static_weights": True},
+               **({"mode": mode} if mode != "default" else {})}
     compiled = torch.compile(model, backend="kernelpytorch", options=options)
     with torch.no_grad():
         for step in range(3):
