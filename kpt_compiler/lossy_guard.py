@@ -188,7 +188,8 @@ class LossyGuard:
     def _check_locally(self, bound: float, gm: fx.GraphModule, snap, ctx, attempt: Callable, rec):
         """Each rewrite's own figure against the bound (module docstring); None sends the pass to the search
         (the graph's output is not finite with every rewrite the local figures keep)."""
-        db, figures = self._measure_locally(gm, ctx.local_checks)
+        whole_db, figures = self._measure_locally(gm, ctx.local_checks)
+        db = whole_db
         under = {label: value for label, value in figures.items() if value < bound}
         changed = True
         if under:
@@ -197,7 +198,7 @@ class LossyGuard:
             changed, ctx = attempt(keep) if keep else (False, ctx)
             db, kept = self._measure_locally(gm, ctx.local_checks) if changed else (db, {})
             figures = {**under, **kept}
-        if db == -math.inf:
+        if changed and db == -math.inf:
             graph_utils.restore(gm, snap)
             rec.notes.append("each rewrite's own figure was over the bound but the graph's output was not finite "
                              "with them: searched rewrite by rewrite")
@@ -209,7 +210,7 @@ class LossyGuard:
         if not changed:
             rec.status, rec.reason = "backed_out", "every rewrite was under the bound on its own: " + ", ".join(
                 f"{label} {value:.1f} dB" for label, value in under.items())
-            rec.error_db = math.inf
+            rec.error_db = whole_db  # of the whole rewrite, none of which stays (as check() says)
             return False, ctx
         rec.error_db = db
         if db < bound:

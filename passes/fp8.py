@@ -119,7 +119,7 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
         xv, (N, K) = ir.example_value(x), ir.example_value(w).shape[::-1] if transposed else ir.example_value(w).shape
         M = xv.numel() // K
         device, dtype = xv.device, xv.dtype
-        param = _static_weight(node, w, ctx) if ctx.options.static_weights else None
+        param, index = _static_weight(node, w, ctx) if ctx.options.static_weights else (None, None)
         if not _decide(ctx, how, label, M, K, N, dtype, device, recipe, training=needs_grad(node),
                        static=param is not None):
             continue
@@ -127,8 +127,8 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
             continue
         with gm.graph.inserting_before(node):
             if param is not None:  # an inference graph's parameter: quantized now, once
-                new, exact, weight = _emit_static(gm, node, x, b, param, recipe, transposed, ctx)
-                static.append((_placeholder_index(gm.graph, w), weight))
+                new, exact, weight = _emit_static(gm, node, x, b, param, recipe, transposed)
+                static.append((index, weight))
                 saved += weight.nbytes
                 kept += param.nbytes
             else:
@@ -153,26 +153,24 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
     return changed
 
 
-def _static_weight(node: fx.Node, w: fx.Node, ctx: PassContext) -> torch.Tensor | None:
-    """The parameter behind the weight of an inference layer, when it is a graph input (Dynamo's real one)."""
+def _static_weight(node: fx.Node, w: fx.Node, ctx: PassContext) -> tuple[torch.Tensor | None, int | None]:
+    """(the parameter behind the weight of an inference layer, its position among the graph's inputs) when it
+    is a graph input (Dynamo's real one) to quantize once, as ``static_weights`` says; else (None, None)."""
     if needs_grad(node) or not isinstance(w, fx.Node) or w.op != "placeholder":
-        return None
+        return None, None
+    index = [n for n in w.graph.nodes if n.op == "placeholder"].index(w)
     try:
-        real = ctx.example_inputs[_placeholder_index(w.graph, w)]
+        real = ctx.example_inputs[index]
     except (RuntimeError, IndexError):  # no example inputs (a later stage), or not Dynamo's calling convention
-        return None
+        return None, None
     if not isinstance(real, torch.nn.Parameter) or ctx.options.static_weights == "frozen" and real.requires_grad:
-        return None
-    return real
+        return None, None
+    return real, index
 
 
-def _placeholder_index(graph: fx.Graph, node: fx.Node) -> int:
-    return [n for n in graph.nodes if n.op == "placeholder"].index(node)
-
-
-def _emit_static(gm, node, x, b, param, recipe, transposed, ctx):
+def _emit_static(gm, node, x, b, param, recipe, transposed):
     """``fp8_linear_static(x, w8, w_scale, b)`` reading the parameter's shared ``Fp8Weight`` as constants."""
-    granularity = "tensorwise" if recipe == "tensorwise" else "rowwise"
+    granularity = _granularity(recipe)
     weight = _fp8_static.weight_for(param, granularity, transposed)
     fake_mode = ir.example_value(x).fake_mode
     consts = []
@@ -190,6 +188,11 @@ def _emit_static(gm, node, x, b, param, recipe, transposed, ctx):
                   like=node)
     w = param.detach().t() if transposed else param.detach()
     return new, lambda x, _w8, _scale, b=None, **_: F.linear(x, w, b), weight
+
+
+def _granularity(recipe: str) -> str:
+    """How a recipe scales the forward's operands: "tensorwise", or "rowwise" (both rowwise recipes)."""
+    return "tensorwise" if recipe == "tensorwise" else "rowwise"
 
 
 def _exact(x, w, b=None, **_recipe):
@@ -247,7 +250,7 @@ def _decide(ctx: PassContext, how: str, label: str, M: int, K: int, N: int, dtyp
     forward + backward where a gradient flows) or ``fp8_linear_<granularity>_static`` (inference, the weight
     quantized once), or timed under "measure"; noted in the report either way. Where the card has no
     calibration of static weights, the per-call table answers: static weights only do less work."""
-    granularity = "tensorwise" if recipe == "tensorwise" else "rowwise"
+    granularity = _granularity(recipe)
     cost_model = ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)
     table, source = f"fp8_linear_{recipe}" + ("_train" if training else ""), _fp8_recipes
     fallback = ""
@@ -279,7 +282,7 @@ def _call(M, K, N, dtype, device, recipe, training, static=False):
     x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=training)
     w = torch.randn(N, K, device=device, dtype=dtype, requires_grad=training)
     if static:
-        granularity = "tensorwise" if recipe == "tensorwise" else "rowwise"
+        granularity = _granularity(recipe)
         q = _fp8_static.Fp8Weight(w, granularity, transposed=False)
         return lambda: _fp8_static.fp8_linear_static(x, q.w8, q.scale, granularity=granularity)
     fn = (lambda: F.linear(x, w)) if recipe is None else (lambda: fp8_linear(x, w, recipe=recipe))
