@@ -1,7 +1,7 @@
 """Where one zoo case spends its time under each compile mode: the kernels of a step, from torch.profiler.
 
     python -m benchmarks.profile_case --model llama-eager --case inference:1x128 \\
-        --modes "inductor-ro,kpt[ro],kpt[ro-no-fusion]" [--top 15] [--out DIR]     (CUDA only)
+        --modes "inductor-ro,kpt[ro],kpt[ro-no-fusion]" [--top 15] [--rounds N] [--out DIR]     (CUDA only)
 
 For each mode the case is compiled, warmed up, and a few steps are profiled (CPU and CUDA activities; kernels
 replayed from CUDA graphs are included). Printed per mode: host wall time per step (synchronized), device time
@@ -9,27 +9,35 @@ per step (the kernels' summed durations), kernels per step, and the kernels that
 with calls and microseconds per step. This is the profile the fusion pass's kernels are chosen from: it shows
 what a mode launches that another does not. Timing figures for the README come from ``benchmarks.run``; this
 is for finding where the time goes.
+
+``--rounds N`` profiles the modes N times in turn (the order rotated each round, each a fresh compile) and
+writes ``profile_case.md``/``.json`` with every round's host and device time per step and, per mode, the median
+over rounds of the host-time ratio to Inductor with its 20th and 80th percentiles. On steps the host bounds (a
+small model's training step: the GPU waits for Python) one mode's wall time moves by a quarter from one minute
+to the next, more than modes differ: rounds in turn show that drift instead of ranking modes by when they ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
-import os
+import datetime
+import shlex
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 import kpt_compiler
-from kpt_compiler.bench import first_tensor
+from kpt_compiler.bench import first_tensor, git_commit
 
-from . import measure
+from . import measure, outputs
 from .run import DTYPES, all_modes
 from .zoo import CUDA_ZOO
 
-STEPS = 5
+STEPS = 5  # profiled
+TIMED = 50  # timed for the host wall time
 
 
 def _case(model: str, case: str):
@@ -68,10 +76,10 @@ def profile_mode(model, inputs, training: bool, compile_kwargs, top: int) -> dic
             step()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(20):
+        for _ in range(TIMED):
             step()
         torch.cuda.synchronize()
-        host_ms = (time.perf_counter() - t0) / 20 * 1e3
+        host_ms = (time.perf_counter() - t0) / TIMED * 1e3
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(STEPS):
@@ -97,7 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--case", default="inference:1x128", help="task:batchxseq, e.g. inference:1x128")
     p.add_argument("--modes", default="inductor-ro,kpt[ro]")
     p.add_argument("--top", type=int, default=15)
-    p.add_argument("--out", default=None, help="write profile_case.json here")
+    p.add_argument("--rounds", type=int, default=1, help="profile the modes this many times in turn")
+    p.add_argument("--out", default=None, help="write profile_case.json and .md here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_case: needs CUDA")
@@ -112,20 +121,53 @@ def main(argv=None) -> int:
     model.train(case.task == "training")
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(case.batch, case.seq, "cuda"))
     measure.warm_up("cuda")
-    results = {}
-    for mode in args.modes.split(","):
-        r = results[mode] = profile_mode(model, inputs, case.task == "training", modes[mode], args.top)
-        print(f"\n## {entry.name} {args.case} {mode}: wall {r['wall_ms']:.3f} ms/step, device "
-              f"{r['device_us']:.0f} us/step, {r['kernels_per_step']:.0f} kernels/step, passes {r['passes']}")
-        print("| kernel | calls/step | us/step |\n| --- | --- | --- |")
-        for k in r["top"]:
-            print(f"| {k['kernel']} | {k['calls']:g} | {k['us']:.1f} |")
+    names = args.modes.split(",")
+    rounds: list[dict] = []
+    for r in range(args.rounds):
+        results = {}
+        for mode in names[r % len(names):] + names[:r % len(names)]:
+            res = results[mode] = profile_mode(model, inputs, case.task == "training", modes[mode], args.top)
+            print(f"\n## {entry.name} {args.case} {mode} (round {r + 1}): wall {res['wall_ms']:.3f} ms/step, device "
+                  f"{res['device_us']:.0f} us/step, {res['kernels_per_step']:.0f} kernels/step, passes {res['passes']}")
+            if r == 0:
+                print("| kernel | calls/step | us/step |\n| --- | --- | --- |")
+                for k in res["top"]:
+                    print(f"| {k['kernel']} | {k['calls']:g} | {k['us']:.1f} |")
+        rounds.append(results)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "profile_case.json"), "w") as f:
-            json.dump({"model": entry.name, "case": args.case, "card": torch.cuda.get_device_name(),
-                       "modes": results}, f, indent=1)
+        command = "python -m benchmarks.profile_case " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+        record = {"model": entry.name, "case": args.case, "card": torch.cuda.get_device_name(), "command": command,
+                  "rounds": rounds}
+        outputs.write_bench(args.out, "profile_case", record, rounds_table(record, names))
     return 0
+
+
+def rounds_table(record: dict, names: list[str]) -> str:
+    """The rounds in markdown: host and device time per step per round, then per mode the medians over rounds
+    and the host-time ratio to Inductor (median of the per-round ratios, 20th and 80th percentiles)."""
+    from .measure import _quantiles
+
+    rounds = record["rounds"]
+    lines = [f"# {record['model']} {record['case']}: host and device time per step, {len(rounds)} rounds in turn",
+             "", f"- card: {record['card']}; date: {datetime.date.today()}; commit: {git_commit()}",
+             f"- command: `{record['command']}`",
+             "- wall: host wall time per step over 50 steps, synchronized at the end (on a host-bound step, the host's time); "
+             "device: the kernels' summed time per step (torch.profiler); each round compiles each mode afresh",
+             "", "| round | " + " | ".join(f"{m} wall ms | {m} device ms" for m in names) + " |",
+             "| --- |" + " --- | --- |" * len(names)]
+    for i, res in enumerate(rounds):
+        lines.append(f"| {i + 1} | " + " | ".join(f"{res[m]['wall_ms']:.2f} | {res[m]['device_us'] / 1e3:.2f}"
+                                                  for m in names) + " |")
+    lines += ["", "| mode | wall ms, median [p20, p80] | device ms, median | Inductor wall / wall, median [p20, p80] |",
+              "| --- | --- | --- | --- |"]
+    for m in names:
+        wall = _quantiles([res[m]["wall_ms"] for res in rounds])
+        dev = _quantiles([res[m]["device_us"] / 1e3 for res in rounds])
+        ratio = (_quantiles([res["inductor"]["wall_ms"] / res[m]["wall_ms"] for res in rounds])
+                 if "inductor" in names else None)
+        cell = f"{ratio['median']:.2f}x [{ratio['p20']:.2f}, {ratio['p80']:.2f}]" if ratio else "-"
+        lines.append(f"| {m} | {wall['median']:.2f} [{wall['p20']:.2f}, {wall['p80']:.2f}] | {dev['median']:.2f} | {cell} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -334,3 +334,20 @@ def test_modes_timed_in_turn_give_paired_ratios_and_a_table(monkeypatch):
     table = outputs.markdown({"suite": "quick", "card_detail": "cpu", "date": "d", "torch": "t", "command": "c",
                               "timing": "t", "caches": "c", "reference": "r"}, [row])
     assert "Timed in turn (--interleave 4" in table and "| tiny-gpt | training | 1x32 | slow |" in table
+
+
+def test_profile_rounds_table_pairs_each_round_with_inductor(monkeypatch):
+    from benchmarks import profile_case
+
+    monkeypatch.setenv("KPT_COMMIT", "abc1234")
+    # host-bound rounds: kpt's wall is 0.8x Inductor's in one round and 1.25x faster in the next two
+    walls = [(10.0, 12.5), (10.0, 8.0), (12.0, 9.6)]
+    record = {"model": "tiny-gpt", "case": "training:8x1024", "card": "H100", "command": "python -m x",
+              "rounds": [{"inductor": {"wall_ms": i, "device_us": 2300.0}, "kpt": {"wall_ms": k, "device_us": 1650.0}}
+                         for i, k in walls]}
+    table = profile_case.rounds_table(record, ["inductor", "kpt"])
+    assert "commit: abc1234" in table and "3 rounds in turn" in table
+    assert "| 2 | 10.00 | 2.30 | 8.00 | 1.65 |" in table
+    kpt = next(line for line in table.splitlines() if line.startswith("| kpt |"))
+    assert "1.25x [0.98, 1.25]" in kpt  # median of 0.8, 1.25, 1.25; 20th percentile 0.8 + 0.4 * 0.45
+    assert kpt.split("|")[3].strip() == "1.65"
