@@ -58,6 +58,23 @@ from .target import Target, detect_target
 
 __version__ = "0.1.0"
 
+
+def release_weights(model):
+    """Free the bf16 (fp16, fp32) copies of the weights the fp8 pass quantized once: each such frozen parameter
+    becomes its fp8 copy. Returns what it released and what it left (passes/_fp8_release.py says what still
+    works afterwards)."""
+    from .passes._fp8_release import release_weights as release
+
+    return release(model)
+
+
+def refresh_weights(model) -> int:
+    """Quantize again the static fp8 copies of ``model``'s parameters after a write their check cannot see
+    (through ``param.data``, a fused optimizer's step). Returns how many it refreshed."""
+    from .passes._fp8_static import refresh_weights as refresh
+
+    return refresh(model)
+
 __all__ = [
     "kernelpytorch",
     "CompileOptions",
@@ -82,6 +99,8 @@ __all__ = [
     "clear_reports",
     "Target",
     "detect_target",
+    "release_weights",
+    "refresh_weights",
 ]
 
 

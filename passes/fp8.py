@@ -37,7 +37,7 @@ from torch._dynamo.source import ConstantSource
 from kpt_compiler import torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
-from . import _fp8_recipes, _fp8_static
+from . import _fp8_recipes, _fp8_release, _fp8_static
 from ._fp8_recipes import fp8_linear
 from kpt_compiler.cost_model import Candidate, CostModel, source_hash
 
@@ -103,6 +103,7 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
     how = ctx.decide
     recipe, changed = ctx.options.chosen_recipe, False
     static, saved, kept = [], 0, 0  # (placeholder index, Fp8Weight) of the weights quantized at compile time
+    n_released = 0
     for node in list(gm.graph.nodes):
         if ir.kind(node) not in ("linear", "addmm"):
             continue
@@ -119,14 +120,19 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
         xv, (N, K) = ir.example_value(x), ir.example_value(w).shape[::-1] if transposed else ir.example_value(w).shape
         M = xv.numel() // K
         device, dtype = xv.device, xv.dtype
-        param, index = _static_weight(node, w, ctx) if ctx.options.static_weights else (None, None)
-        if not _decide(ctx, how, label, M, K, N, dtype, device, recipe, training=needs_grad(node),
-                       static=param is not None):
+        param, index = _static_weight(node, w, ctx)
+        released = isinstance(param, _fp8_release.Fp8WeightTensor)  # no bf16 weight left to choose instead
+        if not released and not _decide(ctx, how, label, M, K, N, dtype, device, recipe, training=needs_grad(node),
+                                        static=param is not None):
             continue
         if not ctx.propose(node.name):
             continue
         with gm.graph.inserting_before(node):
-            if param is not None:  # an inference graph's parameter: quantized now, once
+            if released:  # kpt_compiler.release_weights replaced the parameter by its fp8 copy
+                new = ir.emit(gm.graph, _fp8_release.fp8_linear_released, (x, w, b), like=node)
+                exact = _exact_transposed if transposed else _exact
+                n_released += 1
+            elif param is not None:  # an inference graph's parameter: quantized now, once
                 new, exact, weight = _emit_static(gm, node, x, b, param, recipe, transposed)
                 static.append((index, weight))
                 saved += weight.nbytes
@@ -141,15 +147,20 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
         gm.graph.erase_node(node)
         ctx.check_locally(node.name, new, exact)  # the guard's figure for this layer alone
         ctx.count()
-        ctx.note(f"{label}: {M}x{K} @ {K}x{N} in fp8, {recipe}"
-                 + (", weight quantized at compile time" if param is not None else ""))
+        ctx.note(f"{label}: {M}x{K} @ {K}x{N} in fp8, "
+                 + (f"{param.granularity}, weight released to fp8 (its SQNR is against the dequantized weight: the "
+                    "activation's quantization only)" if released else recipe
+                    + (", weight quantized at compile time" if param is not None else "")))
         changed = True
     if static:
         ctx.count("static_weights", len(static))
         ctx.before_each_call(lambda args: _fp8_static.refresh(static, args))
         ctx.note(f"{len(static)} weights quantized once, at compile time: {saved / 2**20:.1f} MiB of fp8 beside the "
                  f"module's own copies ({kept / 2**20:.1f} MiB), which it keeps: each call checks that a weight did "
-                 "not change since, and a recompile quantizes from them")
+                 "not change since, and a recompile quantizes from them. Frozen ones can be freed: "
+                 "kpt_compiler.release_weights(model)")
+    if n_released:
+        ctx.count("released_weights", n_released)
     return changed
 
 
@@ -157,13 +168,17 @@ def _static_weight(node: fx.Node, w: fx.Node, ctx: PassContext) -> tuple[torch.T
     """(the parameter behind the weight of an inference layer, its position among the graph's inputs) when it
     is a graph input (Dynamo's real one) to quantize once, as ``static_weights`` says; else (None, None)."""
     if needs_grad(node) or not isinstance(w, fx.Node) or w.op != "placeholder":
-        return None, None
+        return None, None  # a released weight in a graph that trains (LoRA on a frozen base): the per-call
+        # recipe, which dequantizes it and quantizes it again, since _scaled_mm has no backward
     index = [n for n in w.graph.nodes if n.op == "placeholder"].index(w)
     try:
         real = ctx.example_inputs[index]
     except (RuntimeError, IndexError):  # no example inputs (a later stage), or not Dynamo's calling convention
         return None, None
-    if not isinstance(real, torch.nn.Parameter) or ctx.options.static_weights == "frozen" and real.requires_grad:
+    if isinstance(real, _fp8_release.Fp8WeightTensor):
+        return real, index  # released: fp8 is all there is
+    if not ctx.options.static_weights or not isinstance(real, torch.nn.Parameter) or (
+            ctx.options.static_weights == "frozen" and real.requires_grad):
         return None, None
     return real, index
 
@@ -198,6 +213,11 @@ def _granularity(recipe: str) -> str:
 def _exact(x, w, b=None, **_recipe):
     """What an ``fp8_linear`` node replaced, on its arguments: the lossy guard's reference for that layer."""
     return F.linear(x, w, b)
+
+
+def _exact_transposed(x, w, b=None):
+    """The guard's reference for a released weight stored [K, N] (an addmm: x @ w + b)."""
+    return torch.addmm(b, x, w)
 
 
 def _operands(node: fx.Node):

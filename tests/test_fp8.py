@@ -378,3 +378,91 @@ def test_a_parameter_that_changes_shape_gets_a_new_copy_and_the_pass_still_appli
         rec = kpt_compiler.last_report().pass_record("fp8")
         assert rec.status == "applied" and rec.stats["static_weights"] == 2, rec
         assert sqnr_db(out, model(x)) >= TWO_LAYERS_DB
+
+
+def _dequantized_copy(model):
+    """An Mlp holding ``model``'s weights as they are now: released ones dequantized."""
+    from kpt_compiler.passes._fp8_release import Fp8WeightTensor
+
+    ref = Mlp()
+    ref.load_state_dict({k: v.dequantize() if isinstance(v, Fp8WeightTensor) else v
+                         for k, v in model.state_dict().items()})
+    return ref
+
+
+def test_released_weights_free_their_copies_and_keep_the_model_exact_to_its_fp8_values():
+    import gc
+    import weakref
+
+    from kpt_compiler.passes._fp8_release import Fp8WeightTensor
+
+    model, x, run = _compiled_once()
+    model.requires_grad_(False)
+    model.down.weight.requires_grad_(True)  # a trainable weight stays
+    old = weakref.ref(model.up.weight)
+    done = kpt_compiler.release_weights(model)
+    assert done.count == 1 and "down.weight" in done.skipped and "requires grad" in done.skipped["down.weight"]
+    assert done.freed_bytes == 128 * 64 * 4 and done.fp8_bytes == 128 * 64 + 4  # e4m3 values, one float32 scale
+    gc.collect()
+    assert old() is None  # nothing else held the float32 parameter: its storage is gone
+    w = model.up.weight
+    assert isinstance(w, Fp8WeightTensor) and w.shape == (128, 64) and w.dtype == torch.float32
+    with torch.no_grad():
+        # eager: every op sees the dequantized weight; the compiled graph reads the fp8 values themselves
+        eager = model(x)
+        assert torch.allclose(eager, _dequantized_copy(model)(x), atol=1e-6)
+        out = run(model, x)  # a new parameter: Dynamo compiles again
+    rec = kpt_compiler.last_report().pass_record("fp8")
+    assert rec.stats.get("released_weights") == 1 and rec.stats.get("static_weights") == 1, rec.stats
+    assert any("released to fp8" in n for n in rec.notes), rec.notes
+    assert sqnr_db(out, eager) >= TWO_LAYERS_DB
+    with pytest.raises(RuntimeError, match="released to fp8 by kpt_compiler.release_weights"):
+        with torch.no_grad():
+            model.up.weight.copy_(torch.zeros(128, 64))
+
+
+def test_a_released_transposed_rowwise_weight_and_a_tied_one():
+    """GPT-2's Conv1D (weight [K, N], an addmm) released with rowwise scales: the recompile reads it as the
+    static graph did; a weight two modules share stays (the other would dequantize it on every call)."""
+    class Conv1D(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.randn(64, 96) * 0.1), nn.Parameter(torch.randn(96))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.view(-1, 64), self.weight).view(*x.shape[:-1], 96)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Conv1D(), nn.Linear(96, 64), nn.Linear(64, 96), nn.Linear(96, 64)).requires_grad_(False)
+    model[3].weight = model[1].weight  # tied
+    run = _static(recipe="rowwise")
+    x = torch.randn(4, 8, 64)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        before = run(model, x)
+        done = kpt_compiler.release_weights(model)
+        assert done.count == 2 and "tied" in done.skipped.get("1.weight", ""), done
+        after = run(model, x)
+    rec = kpt_compiler.last_report().pass_record("fp8")
+    assert rec.stats.get("released_weights") == 2 and rec.stats.get("static_weights") == 2, rec.stats
+    assert torch.equal(before, after)  # the same e4m3 values and scales, the same GEMM
+
+
+def test_a_released_weight_serves_a_training_graph_and_one_compiled_without_fp8():
+    """A frozen, released base with a trainable layer on top (as in LoRA): gradients reach the trainable layer
+    and the input through the per-call recipe; a graph compiled without fp8 dequantizes the weight."""
+    model, x, run = _compiled_once()
+    model.up.requires_grad_(False)
+    kpt_compiler.release_weights(model)
+    xg = x.clone().requires_grad_()
+    torch._dynamo.reset()
+    out = run(model, xg)
+    out.float().pow(2).sum().backward()
+    ref_model = _dequantized_copy(model)
+    xr = x.clone().requires_grad_()
+    ref_model(xr).pow(2).sum().backward()
+    assert sqnr_db(xg.grad, xr.grad) >= 15 and sqnr_db(model.down.weight.grad, ref_model.down.weight.grad) >= 15
+    torch._dynamo.reset()
+    with torch.no_grad():
+        plain = torch.compile(model, backend="kernelpytorch", options={"codegen": "eager"})(x)
+    assert torch.allclose(plain, ref_model(x), atol=1e-5)
