@@ -7,7 +7,8 @@ switches one on or off shows what that pass buys on every model. Later passes ad
 
 OPTION_SETS: dict[str, dict] = {
     "ro": {"mode": "reduce-overhead"},  # CUDA graphs on top of our pipeline, to compare with inductor-ro
-    "no-attention": {"attention": False},  # the attention pass off: what it buys (or costs) on every model
+    "no-attention": {"attention": False},
+    "no-cudagraphs": {"cudagraphs": False},  # small inference graphs launched kernel by kernel: what capture buys  # the attention pass off: what it buys (or costs) on every model
     "attention-flash": {"attention": {"backend": "flash"}},  # flash before cuDNN: what the priority buys
     "no-fusion": {"fusion": False},  # the fusion group off (on by default): what its passes buy on every model
     "ro-no-fusion": {"mode": "reduce-overhead", "fusion": False},  # the same under CUDA graphs

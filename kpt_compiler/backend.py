@@ -76,17 +76,24 @@ def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm
         for factory in pm.aot_contexts:  # e.g. the SDPA backend priority the attention pass chose
             stack.enter_context(factory())
         compiled = EMITTERS[pm.codegen](gm, example_inputs, pm)
+    pm.add_late_notes()
     compiled = pm.run_wrap_stage(compiled, gm, is_inference)
-    return _with_call_hooks(compiled, pm.call_hooks) if pm.call_hooks else compiled
+    if pm.call_hooks or pm.return_hooks:
+        return _with_call_hooks(compiled, pm.call_hooks, pm.return_hooks)
+    return compiled
 
 
-def _with_call_hooks(compiled: Callable, hooks: list[Callable]) -> Callable:
-    """The compiled callable with the passes' checks before each call (outermost: before any CUDA graph)."""
+def _with_call_hooks(compiled: Callable, before: list[Callable], after: list[Callable]) -> Callable:
+    """The compiled callable with the passes' hooks around each call (outermost: outside any CUDA graph):
+    ``before`` see the arguments, ``after`` get the outputs and return what the caller receives."""
 
     def call(*args: Any) -> Any:
-        for hook in hooks:
+        for hook in before:
             hook(args)
-        return compiled(*args)
+        outputs = compiled(*args)
+        for hook in after:
+            outputs = hook(outputs)
+        return outputs
 
     return call
 

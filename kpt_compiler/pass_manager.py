@@ -66,6 +66,8 @@ class PassManager:
         self.cost_model = CostModel(target, options.mode, codegen)
         self.aot_contexts: list[Callable[[], Any]] = []  # from pre_aot passes that applied
         self.call_hooks: list[Callable[[Sequence[Any]], None]] = []  # run before each call (ctx.before_each_call)
+        self.return_hooks: list[Callable[[Any], Any]] = []  # run on the outputs of each call (ctx.after_each_call)
+        self.late_notes: list[tuple[PassRecord, Callable[[], str | None]]] = []  # ctx.note_after_compile
         # (stage, is_inference) of the graph an emitter is compiling now, for hooks that are not told (Inductor's)
         self.emitter_stage: list[tuple[str, bool]] = []
         self._fingerprint: str | None = None
@@ -212,9 +214,11 @@ class PassManager:
         rec.ops_after = graph_utils.op_counts(gm.graph)
         # a dispatcher choice holds even where the graph is unchanged (the SDPA priority for calls already there)
         self.aot_contexts += ctx.aot_contexts
+        self.late_notes += [(rec, make_note) for make_note in ctx.late_notes]
         if not changed:
             return rec, code_before, None
         self.call_hooks += ctx.call_hooks
+        self.return_hooks += ctx.return_hooks
         rec.status = "applied"
         before = code_before if code_before is not None else graph_utils.readable_code(gm, snap.graph)
         after = graph_utils.readable_code(gm)
@@ -243,6 +247,14 @@ class PassManager:
                     f"pass {spec.name!r} added the mutating op {target} in stage {stage!r}; the graph must stay "
                     "functional (declare mutates=True and run last if that is intended)"
                 )
+
+    def add_late_notes(self) -> None:
+        """After the code generator ran: the notes passes asked to make then (ctx.note_after_compile)."""
+        for rec, make_note in self.late_notes:
+            note = make_note()
+            if note:
+                rec.notes.append(note)
+        self.late_notes.clear()
 
     # -------------------------------------------------------------- the wrap stage
     def run_wrap_stage(self, compiled: Callable, gm: fx.GraphModule, is_inference: bool) -> Callable:

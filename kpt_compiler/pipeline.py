@@ -25,6 +25,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "fuse-gated-linear",  # before the epilogue rule: the gate's linear + activation would match it alone
     "fuse-linear-epilogue",  # after the gated rule; takes what is left of linear + bias/act/residual
     "merge-parallel-linears",  # last: only linears no rule above took are merged (q, k, v)
+    "cudagraphs",  # after every rewrite: it sizes the graph as Inductor will get it, and changes nothing in it
 )
 
 

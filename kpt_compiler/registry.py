@@ -86,6 +86,10 @@ class PassContext:
     allowed: frozenset[str] | None = None
     # run before each call of the compiled graph, with its arguments (see before_each_call)
     call_hooks: list[Callable[[Sequence[Any]], None]] = dataclasses.field(default_factory=list)
+    # run after each call of the compiled graph, on its outputs (see after_each_call)
+    return_hooks: list[Callable[[Any], Any]] = dataclasses.field(default_factory=list)
+    # notes made once the graph is compiled (see note_after_compile)
+    late_notes: list[Callable[[], str | None]] = dataclasses.field(default_factory=list)
     # lossy passes that say what each rewrite replaced: label -> (the new node's name, the exact function)
     local_checks: dict[str, tuple[str, Callable[..., Any]]] = dataclasses.field(default_factory=dict)
     inputs_fn: Callable[[], list[Any]] | None = dataclasses.field(default=None, repr=False)
@@ -130,6 +134,19 @@ class PassContext:
         if self.stage != "pre_aot":
             raise RuntimeError("before_each_call is for pre_aot passes: later graphs are called with other arguments")
         self.call_hooks.append(hook)
+
+    def after_each_call(self, hook: Callable[[Any], Any]) -> None:
+        """Pass the compiled graph's outputs through ``hook(outputs) -> outputs`` after each call (pre_aot passes
+        that applied only): for a pass that changes how the graph runs, e.g. the cudagraphs pass copying outputs
+        out of the CUDA graphs' pool. Keep it cheap: it runs on every call."""
+        if self.stage != "pre_aot":
+            raise RuntimeError("after_each_call is for pre_aot passes: later graphs return other outputs")
+        self.return_hooks.append(hook)
+
+    def note_after_compile(self, make_note: Callable[[], str | None]) -> None:
+        """Add ``make_note()`` to this pass's notes once the code generator has compiled the graph (None adds
+        nothing): for what only the compile tells, such as a capture Inductor declined."""
+        self.late_notes.append(make_note)
 
     def during_aot(self, context_factory: Callable[[], Any]) -> None:
         """Hold ``context_factory()`` while AOTAutograd traces this graph (pre_aot passes only): for choices the

@@ -1,0 +1,256 @@
+"""CUDA-graph capture of small inference graphs, where launching the kernels costs more than running them.
+
+A graph whose kernels take well under a millisecond on the device (a batch of one, a short sequence, a decoding
+step) spends most of its time in the host launching them: GPT-2 small at 1x64 runs 2.2 ms under Inductor and
+0.6 ms replayed from a CUDA graph (``mode="reduce-overhead"``, benchmarks/results/nvidia-h100-80gb-hbm3/
+2026-11-25-full.md). This pass takes that for the user: it decides per graph, and has Inductor capture it
+with its CUDA-graph trees (one memory pool per device shared by every graph, static inputs such as parameters
+and ``mark_static_address`` buffers read in place, the others copied into static buffers; replays checked
+against the recorded input addresses). It writes no replay engine of its own.
+
+Whether to capture (``decide="auto"``, the default): only inference graphs on CUDA under Inductor, with static
+shapes (a dynamic graph would record one CUDA graph per size: bucketing's job) and nothing that synchronizes
+with the host (``.item()``, ``nonzero``, ``.cpu()``, an op tagged ``cudagraph_unsafe``); and only where the
+graph is small: its estimated device time (a roofline over its matrix products and the bytes its ops write, at
+the card's calibrated ceilings) is under ``launch_bound_ms``, and copying its outputs costs under a tenth of that.
+Without a calibration for the card, "auto" declines and says that ``decide="always"`` captures anyway.
+Inductor makes its own checks when it compiles (inputs it cannot treat as static and the graph mutates, CPU
+tensors); a refusal there is caught from its log and put in the report.
+
+Outputs: a replay writes its outputs into the pool, where the next replay overwrites them. Code that keeps an
+output past the next call (``generate()`` keeps the logits while it runs the next step) would then read another
+call's values, which cudagraph trees turn into an error ("accessing tensor output of CUDAGraphs that has been
+overwritten by a subsequent run"). So by default the outputs are copied out after each replay (those that are
+views of the inputs are not: they live outside the pool); ``copy_outputs=False`` saves the copy for code that
+never keeps an output past the next call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Any, Literal, Sequence
+
+import torch
+import torch.fx as fx
+
+from kpt_compiler import torch_ir as ir
+from kpt_compiler.registry import PassContext, graph_pass
+
+# CUDA graphs pay where launches dominate: under 1 ms of estimated device time a transformer's 50-300 kernels
+# cost the host as much as the device or more (GPT-2 1x64 and the 8-layer Llama at 1x128 gain 3.5-3.9x with
+# graphs on the H100, 2026-11-25-full.md); above it the saving shrinks and the output copy grows
+DEFAULT_LAUNCH_BOUND_MS = 1.0
+COPY_SHARE = 0.1  # the output copy may cost this share of the graph's estimated device time
+
+# host synchronizations a CUDA graph cannot hold (Dynamo breaks the graph at most data-dependent ones)
+_SYNC_METHODS = {"item", "tolist", "cpu", "numpy", "nonzero"}
+_SYNC_FUNCTIONS = {torch.nonzero, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.masked_select}
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaGraphsOptions:
+    # "auto": capture small inference graphs where the card's calibration says launches dominate; "always":
+    # every inference graph that is safe to capture
+    decide: Literal["auto", "always"] = "auto"
+    # under "auto": capture graphs whose estimated device time is under this many milliseconds
+    launch_bound_ms: float = DEFAULT_LAUNCH_BOUND_MS
+    # copy the outputs out of the graph's memory pool after each replay, so they stay valid after the next call
+    copy_outputs: bool = True
+
+    def __post_init__(self):
+        if not self.launch_bound_ms > 0:
+            raise ValueError(f"launch_bound_ms must be positive, got {self.launch_bound_ms}")
+
+
+def _supports(target, options) -> str | None:
+    if not target.is_cuda:
+        return f"CUDA graphs need a CUDA device; this graph runs on {target.device}"
+    return None
+
+
+@graph_pass("cudagraphs", summary="small inference graphs captured as CUDA graphs (Inductor's cudagraph trees), "
+            "outputs copied out of the pool", stage="pre_aot", options=CudaGraphsOptions, default=True,
+            statistics=("captured",), supports=_supports)
+def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    why = _refusal(gm, ctx)
+    if why:
+        ctx.note(f"not captured: {why}")
+        return False
+    if ctx.options.decide == "auto":
+        why = _too_big(gm, ctx)
+        if why:
+            ctx.note(f"not captured: {why}")
+            return False
+    skipped: list[str] = []
+    ctx.during_aot(lambda: _inductor_captures(skipped))
+    ctx.count("captured")
+    ctx.note(f"captured as a CUDA graph (Inductor's cudagraph trees; decide={ctx.options.decide!r})")
+    if ctx.options.copy_outputs:
+        keep = _outputs_in_pool(gm)
+        ctx.after_each_call(lambda outputs: _copy_out(outputs, keep))
+        ctx.note("outputs copied out of the CUDA graphs' pool after each call (copy_outputs=False leaves them there, "
+                 "valid until the next call)")
+    ctx.note_after_compile(lambda: f"Inductor declined the capture: {'; '.join(skipped)}" if skipped else None)
+    return True  # applied: the graph is the same, Inductor compiles it into a CUDA graph
+
+
+def _refusal(gm: fx.GraphModule, ctx: PassContext) -> str | None:
+    """Why this graph must not be captured, or None."""
+    if not ctx.is_inference:
+        return "a training graph (mode='reduce-overhead' captures forward and backward)"
+    if ctx.codegen != "inductor":
+        return f"codegen {ctx.codegen!r} (Inductor captures the graphs)"
+    if ctx.mode in ("reduce-overhead", "max-autotune"):
+        return f"mode={ctx.mode!r} captures every graph already"
+    if ctx.mode == "max-autotune-no-cudagraphs":
+        return "mode='max-autotune-no-cudagraphs' asks for none"
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node in placeholders:
+        value = ir.example_value(node)
+        if isinstance(value, torch.SymInt) or isinstance(value, torch.Tensor) and any(
+                isinstance(s, torch.SymInt) for s in value.shape):
+            return (f"input {node.name} has dynamic sizes: a CUDA graph holds one size, so each new size "
+                    "would record another")
+    for node in gm.graph.nodes:
+        if node.op in ("call_method", "call_function"):
+            if node.op == "call_method" and node.target in _SYNC_METHODS or node.target in _SYNC_FUNCTIONS:
+                return f"{node.name} ({getattr(node.target, '__name__', node.target)}) waits for the host"
+            tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+            if tag is not None and isinstance(node.target, torch._ops.OpOverload) and tag in node.target.tags:
+                return f"{node.name} ({node.target}) is tagged cudagraph_unsafe"
+    for node in placeholders:
+        value = ir.example_value(node)
+        if isinstance(value, torch.Tensor) and value.device.type != "cuda":
+            return f"input {node.name} is on {value.device}, not on the GPU"
+    return None
+
+
+def _too_big(gm: fx.GraphModule, ctx: PassContext) -> str | None:
+    """Under "auto": why the graph is not small enough to pay for capture, or None where it is."""
+    cal = ctx.cost_model.calibration if ctx.cost_model is not None else None
+    ceilings = cal.ceilings if cal is not None else None
+    if not ceilings or not ceilings.get("tflops") or not ceilings.get("copy_tbps"):
+        return (f"no calibration of {ctx.target.name} says where launches dominate; decide='always' captures "
+                "anyway")
+    flops, written, params = estimate(gm)
+    tflops, tbps = ceilings["tflops"], ceilings["copy_tbps"]
+    device_ms = flops / (tflops * 1e9) + (2 * written + params) / (tbps * 1e9)
+    copy_ms = 2 * _output_bytes(gm) / (tbps * 1e9) if ctx.options.copy_outputs else 0.0
+    figures = (f"estimated {device_ms:.3f} ms on the device ({flops / 1e9:.1f} GFLOP at {tflops:.0f} TFLOP/s, "
+               f"{(2 * written + params) / 2**20:.0f} MiB at {tbps:.1f} TB/s, {cal.card})")
+    if device_ms >= ctx.options.launch_bound_ms:
+        return f"{figures}: not under launch_bound_ms={ctx.options.launch_bound_ms}, so launches do not dominate"
+    if copy_ms > COPY_SHARE * device_ms:
+        return f"{figures}; copying its outputs out would take {copy_ms:.3f} ms (copy_outputs=False avoids it)"
+    ctx.note(f"{figures}: launches dominate")
+    return None
+
+
+def estimate(gm: fx.GraphModule) -> tuple[float, int, int]:
+    """(FLOPs of the graph, as torch.utils.flop_counter counts them on a run over the recorded fake values; bytes
+    its ops write; bytes of its tensor inputs)."""
+    written, inputs, fakes = 0, 0, []
+    for node in gm.graph.nodes:
+        value = ir.example_value(node)
+        if node.op == "placeholder":
+            inputs += _nbytes(value)
+            fakes.append(value)
+        elif node.op in ("call_function", "call_method", "call_module") and isinstance(value, torch.Tensor):
+            if not _is_view(node):
+                written += _nbytes(value)
+    return _count_flops(gm, fakes), written, inputs
+
+
+def _count_flops(gm: fx.GraphModule, fakes: list[Any]) -> float:
+    from torch._guards import detect_fake_mode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mode = detect_fake_mode([f for f in fakes if isinstance(f, torch.Tensor)])
+    if mode is None:
+        raise RuntimeError("the graph's inputs have no recorded fake values to count its FLOPs on")
+    with mode, FlopCounterMode(display=False) as counter, torch.no_grad():
+        gm(*fakes)
+    return float(counter.get_total_flops())
+
+
+_VIEWS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten", "contiguous",
+          "size", "t", "unflatten", "split", "chunk", "narrow"}
+
+
+def _is_view(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return name in _VIEWS or node.target is getattr(__import__("operator"), "getitem")
+
+
+def _nbytes(value: Any) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _output_nodes(gm: fx.GraphModule) -> list[Any]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return list(fx.node.map_arg(out.args[0], lambda n: n) if isinstance(out.args[0], (tuple, list))
+                else [out.args[0]])
+
+
+def _output_bytes(gm: fx.GraphModule) -> int:
+    keep = _outputs_in_pool(gm)
+    return sum(_nbytes(ir.example_value(n)) for i, n in enumerate(_output_nodes(gm)) if i in keep)
+
+
+def _outputs_in_pool(gm: fx.GraphModule) -> frozenset[int]:
+    """Positions of the outputs a replay writes into the pool: not the inputs themselves or views of them."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(value):
+        try:
+            return StorageWeakRef(value.untyped_storage())
+        except Exception:  # noqa: BLE001 - a value without storage (a symbolic size): never in the pool
+            return None
+
+    inputs = {storage(ir.example_value(n)) for n in gm.graph.nodes if n.op == "placeholder"
+              and isinstance(ir.example_value(n), torch.Tensor)}
+    keep = set()
+    for i, node in enumerate(_output_nodes(gm)):
+        value = ir.example_value(node)
+        if isinstance(value, torch.Tensor) and storage(value) not in inputs:
+            keep.add(i)
+    return frozenset(keep)
+
+
+def _copy_out(outputs: Any, keep: frozenset[int]) -> Any:
+    if isinstance(outputs, (list, tuple)):
+        copied = [o.clone() if i in keep and isinstance(o, torch.Tensor) else o for i, o in enumerate(outputs)]
+        return type(outputs)(copied) if isinstance(outputs, tuple) else copied
+    return outputs.clone() if 0 in keep and isinstance(outputs, torch.Tensor) else outputs
+
+
+class _SkipLog(logging.Handler):
+    def __init__(self, sink: list[str]):
+        super().__init__(logging.WARNING)
+        self.sink = sink
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.sink.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _inductor_captures(skipped: list[str]):
+    """Inductor's CUDA-graph trees on for this compile, and its refusals (logged, not raised) collected."""
+    from torch._inductor import config
+
+    try:
+        from torch._inductor.cudagraph_utils import cudagraphs_log as logger
+    except ImportError:  # an older torch: no reasons, the capture is still made
+        logger = logging.getLogger("torch._inductor.cudagraph_utils")
+    handler = _SkipLog(skipped)
+    logger.addHandler(handler)
+    try:
+        with config.patch({"triton.cudagraphs": True}):
+            yield
+    finally:
+        logger.removeHandler(handler)
+
+
+__all__: Sequence[str] = ("cudagraphs", "CudaGraphsOptions", "estimate")

@@ -1,0 +1,85 @@
+"""The cudagraphs pass on the GPU: a small inference graph is captured by default and replayed, its outputs
+stay valid after the next call (they are copied out of the pool), Inductor's own refusal reaches the report,
+and a large graph is left alone."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kpt_compiler
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+class Mlp(nn.Module):
+    def __init__(self, d=512, hidden=2048):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _compiled(model, **options):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="kernelpytorch", options=options)
+
+
+def test_a_small_inference_graph_is_captured_by_default_and_its_outputs_outlive_the_next_call():
+    torch.manual_seed(0)
+    model = Mlp().cuda().bfloat16().eval()
+    xs = [torch.randn(1, 16, 512, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    f = _compiled(model)
+    with torch.no_grad():
+        outs = [f(x) for x in xs]  # warm-up, record, replays: each output kept while the next calls run
+        refs = [model(x) for x in xs]
+    rec = kpt_compiler.last_report().pass_record("cudagraphs")
+    assert rec.status == "applied" and rec.stats.get("captured") == 1, rec
+    assert not any("declined" in n for n in rec.notes), rec.notes
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    # it did replay: Inductor's cudagraph trees hold a recorded graph for this function
+    from torch._inductor import cudagraph_trees
+
+    tree = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    assert tree is not None and len(tree.roots) >= 1
+
+
+def test_without_the_copy_a_kept_output_is_overwritten_and_cudagraph_trees_say_so():
+    torch.manual_seed(0)
+    model = Mlp().cuda().bfloat16().eval()
+    x = torch.randn(1, 16, 512, device="cuda", dtype=torch.bfloat16)
+    f = _compiled(model, cudagraphs={"copy_outputs": False})
+    with torch.no_grad():
+        for _ in range(3):
+            f(x)
+        kept = f(x)
+        f(x)
+        with pytest.raises(RuntimeError, match="overwritten by a subsequent"):
+            kept + 1
+
+
+def test_inductors_refusal_reaches_the_report():
+    def step(x, cache):  # writes into an input Inductor cannot treat as static: no capture
+        cache.add_(x)
+        return cache * 2
+
+    x = torch.randn(64, device="cuda")
+    cache = torch.zeros(64, device="cuda")
+    torch._dynamo.reset()
+    f = torch.compile(step, backend="kernelpytorch")
+    with torch.no_grad():
+        for _ in range(3):
+            out = f(x, cache)
+    torch.testing.assert_close(out, 6 * x)
+    rec = kpt_compiler.last_report().pass_record("cudagraphs")
+    assert any("Inductor declined the capture" in n and "mutat" in n for n in rec.notes), rec.notes
+
+
+def test_a_large_graph_is_left_to_run_without_capture():
+    model = Mlp(4096, 16384).cuda().bfloat16().eval()
+    x = torch.randn(16, 1024, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        _compiled(model)(x)
+    rec = kpt_compiler.last_report().pass_record("cudagraphs")
+    assert rec.status == "unchanged" and any("not under launch_bound_ms" in n for n in rec.notes), rec.notes

@@ -1,0 +1,154 @@
+"""The cudagraphs pass on the CPU: what it refuses and why, where "auto" says launches dominate (a faked H100
+with its committed calibration), the FLOP estimate, the output copy, and asking for it where it cannot run.
+The capture itself runs on the GPU (tests/gpu/test_cuda_backend.py)."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kpt_compiler
+from kpt_compiler import OptionError
+from kpt_compiler import backend as backend_module
+from kpt_compiler.cost_model import CostModel
+from kpt_compiler.passes import cudagraphs as cg
+from kpt_compiler.registry import PassContext
+from kpt_compiler.target import Target
+
+H100 = Target("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
+
+
+def _graph(fn, *inputs, dynamic=False):
+    """The Dynamo graph of ``fn`` (with its recorded fake values) and the inputs it was captured with."""
+    seen = []
+
+    def capture(gm, example_inputs):  # recorded, then refused: the graph is never run
+        seen.append(gm)
+        raise _Captured
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception):
+        torch.compile(fn, backend=capture, dynamic=dynamic)(*inputs)
+    return seen[0]
+
+
+class _Captured(Exception):
+    pass
+
+
+def _ctx(is_inference=True, mode="default", codegen="inductor", **options):
+    return PassContext(options=cg.CudaGraphsOptions(**options), target=H100, stage="pre_aot",
+                       is_inference=is_inference, mode=mode, codegen=codegen, cost_model=CostModel(H100, mode))
+
+
+class Mlp(nn.Module):
+    def __init__(self, d=256, hidden=1024):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_the_flop_estimate_is_torchs_count_of_the_graph():
+    model, x = Mlp(), torch.randn(4, 8, 256)
+    gm = _graph(model, x)
+    flops, written, inputs = cg.estimate(gm)
+    assert flops == 2 * 32 * 256 * 1024 * 2  # two linears of 32 rows
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert inputs == params + x.numel() * 4
+    assert written >= (32 * 1024 * 2 + 32 * 256) * 4  # up, relu, down at least
+
+
+def test_auto_captures_a_small_graph_and_says_why():
+    gm = _graph(Mlp(), torch.randn(4, 8, 256))
+    ctx = _ctx()
+    if ctx.cost_model.calibration is None:
+        pytest.skip("no H100 calibration committed")
+    assert cg._too_big(gm, ctx) is None
+    assert "launches dominate" in ctx.notes[-1] and "NVIDIA H100" in ctx.notes[-1], ctx.notes
+
+
+def test_auto_leaves_a_graph_whose_device_time_is_over_the_bound():
+    gm = _graph(Mlp(2048, 8192), torch.randn(64, 1024, 2048))  # 4.4 TFLOP: about 6 ms on the H100
+    ctx = _ctx()
+    if ctx.cost_model.calibration is None:
+        pytest.skip("no H100 calibration committed")
+    why = cg._too_big(gm, ctx)
+    assert why and "not under launch_bound_ms=1.0" in why, why
+    assert cg._too_big(gm, _ctx(launch_bound_ms=1000.0)) is None  # the bound is the user's to move
+
+
+def test_auto_leaves_a_graph_whose_output_copy_would_cost_too_much():
+    # a small computation with a large output (an embedding table's worth of logits): the copy would dominate
+    gm = _graph(lambda x: x.expand(4, 4096, 4096) * 2, torch.randn(1, 1, 4096))
+    why = cg._too_big(gm, _ctx())
+    assert why and "copying its outputs out" in why, why
+    assert cg._too_big(gm, _ctx(copy_outputs=False)) is None
+
+
+def test_without_a_calibration_auto_declines_and_always_is_the_way_out():
+    ctx = _ctx()
+    ctx.cost_model = CostModel(Target("cuda", "Some Future GPU", (12, 0)))
+    why = cg._too_big(_graph(Mlp(), torch.randn(4, 8, 256)), ctx)
+    assert "no calibration of NVIDIA H100" in why and "decide='always'" in why, why
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("training", "a training graph"),
+    ("eager", "codegen 'eager'"),
+    ("reduce-overhead", "captures every graph already"),
+    ("no-cudagraphs", "asks for none"),
+    ("cpu", "is on cpu, not on the GPU"),
+    ("dynamic", "dynamic sizes"),
+    ("item", "waits for the host"),
+])
+def test_each_refusal_names_its_reason(case, expected):
+    x = torch.randn(4, 8, 256)
+    if case == "dynamic":
+        gm = _graph(Mlp(), x, dynamic=True)
+    elif case == "item":
+        torch._dynamo.config.capture_scalar_outputs = True
+        try:
+            gm = _graph(lambda t: t * t.sum().item(), x)
+        finally:
+            torch._dynamo.config.capture_scalar_outputs = False
+    else:
+        gm = _graph(Mlp(), x)
+    ctx = _ctx(is_inference=case != "training", codegen="eager" if case == "eager" else "inductor",
+               mode={"reduce-overhead": "reduce-overhead", "no-cudagraphs": "max-autotune-no-cudagraphs"}.get(
+                   case, "default"))
+    why = cg._refusal(gm, ctx)  # the inputs are on the CPU: the last thing checked
+    assert why and expected in why, why
+
+
+def test_outputs_that_are_views_of_inputs_are_not_copied():
+    gm = _graph(lambda x, y: (x.view(-1), x * 2, y), torch.randn(2, 3), torch.randn(3))
+    keep = cg._outputs_in_pool(gm)
+    assert keep == frozenset({1})
+    a, b, c = torch.randn(6), torch.randn(2, 3), torch.randn(3)
+    out = cg._copy_out((a, b, c), keep)
+    assert out[0] is a and out[2] is c and out[1] is not b and torch.equal(out[1], b)
+
+
+def test_hooks_after_each_call_get_the_outputs_and_say_what_the_caller_receives():
+    calls = []
+    wrapped = backend_module._with_call_hooks(lambda *a: (a[0] + 1,), [lambda args: calls.append(len(args))],
+                                              [lambda outs: (outs[0] * 10,)])
+    assert wrapped(torch.tensor(1.0))[0].item() == 20.0 and calls == [1]
+
+
+def test_on_by_default_but_not_on_the_cpu_and_asking_there_is_an_error():
+    torch._dynamo.reset()
+    torch.compile(Mlp(), backend="kernelpytorch", options={"codegen": "eager"})(torch.randn(2, 256))
+    rec = kpt_compiler.last_report().pass_record("cudagraphs")
+    assert rec.status == "skipped" and "need a CUDA device" in rec.reason, rec
+    torch._dynamo.reset()
+    with pytest.raises(OptionError, match="CUDA graphs need a CUDA device"):
+        torch.compile(Mlp(), backend="kernelpytorch", options={"cudagraphs": True})(torch.randn(2, 256))
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(OptionError, match="launch_bound_ms must be positive"):
+        kpt_compiler.parse_options(None, {"cudagraphs": {"launch_bound_ms": 0}})
+    with pytest.raises(OptionError, match="decide"):
+        kpt_compiler.parse_options(None, {"cudagraphs": {"decide": "measure"}})
