@@ -134,7 +134,11 @@ def _too_big(gm: fx.GraphModule, ctx: PassContext) -> str | None:
     if not ceilings or not ceilings.get("tflops") or not ceilings.get("copy_tbps"):
         return (f"no calibration of {ctx.target.name} says where launches dominate; decide='always' captures "
                 "anyway")
-    flops, written, params = estimate(gm)
+    try:
+        flops, written, params = estimate(gm)
+    except Exception as e:  # noqa: BLE001 - no estimate, no capture under "auto"
+        return (f"its device time could not be estimated ({type(e).__name__}: {str(e)[:200]}); decide='always' "
+                "captures anyway")
     tflops, tbps = ceilings["tflops"], ceilings["copy_tbps"]
     device_ms = flops / (tflops * 1e9) + (2 * written + params) / (tbps * 1e9)
     copy_ms = 2 * _output_bytes(gm) / (tbps * 1e9) if ctx.options.copy_outputs else 0.0
@@ -163,15 +167,18 @@ def estimate(gm: fx.GraphModule) -> tuple[float, int, int]:
     return _count_flops(gm, fakes), written, inputs
 
 
-def _count_flops(gm: fx.GraphModule, fakes: list[Any]) -> float:
-    from torch._guards import detect_fake_mode
+def _count_flops(gm: fx.GraphModule, values: list[Any]) -> float:
+    """The graph run once under torch's FLOP counter, on fresh fake tensors of the recorded shapes (the recorded
+    values may come from several fake modes once passes have added nodes, which FakeTensorMode refuses to mix)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
-    mode = detect_fake_mode([f for f in fakes if isinstance(f, torch.Tensor)])
-    if mode is None:
-        raise RuntimeError("the graph's inputs have no recorded fake values to count its FLOPs on")
-    with mode, FlopCounterMode(display=False) as counter, torch.no_grad():
-        gm(*fakes)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                 if isinstance(v, torch.Tensor) else v for v in values]
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            gm(*fakes)
+    del mode
     return float(counter.get_total_flops())
 
 
