@@ -140,7 +140,9 @@ def _too_big(gm: fx.GraphModule, ctx: PassContext) -> str | None:
         return (f"its device time could not be estimated ({type(e).__name__}: {str(e)[:200]}); decide='always' "
                 "captures anyway")
     tflops, tbps = ceilings["tflops"], ceilings["copy_tbps"]
-    device_ms = flops / (tflops * 1e9) + (2 * written + params) / (tbps * 1e9)
+    # at least one kernel's floor: a graph of a few bytes still launches
+    device_ms = max(flops / (tflops * 1e9) + (2 * written + params) / (tbps * 1e9),
+                    ceilings.get("kernel_floor_us", 0.0) / 1e3)
     copy_ms = 2 * _output_bytes(gm) / (tbps * 1e9) if ctx.options.copy_outputs else 0.0
     figures = (f"estimated {device_ms:.3f} ms on the device ({flops / 1e9:.1f} GFLOP at {tflops:.0f} TFLOP/s, "
                f"{(2 * written + params) / 2**20:.0f} MiB at {tbps:.1f} TB/s, {cal.card})")
