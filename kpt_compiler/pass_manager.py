@@ -67,7 +67,7 @@ class PassManager:
         self.aot_contexts: list[Callable[[], Any]] = []  # from pre_aot passes that applied
         self.call_hooks: list[Callable[[Sequence[Any]], None]] = []  # run before each call (ctx.before_each_call)
         self.return_hooks: list[Callable[[Any], Any]] = []  # run on the outputs of each call (ctx.after_each_call)
-        self.late_notes: list[tuple[PassRecord, Callable[[], str | None]]] = []  # ctx.note_after_compile
+        self.late_notes: list[tuple[PassRecord, Callable[[list[str]], None]]] = []  # ctx.note_after_compile
         # (stage, is_inference) of the graph an emitter is compiling now, for hooks that are not told (Inductor's)
         self.emitter_stage: list[tuple[str, bool]] = []
         self._fingerprint: str | None = None
@@ -214,7 +214,7 @@ class PassManager:
         rec.ops_after = graph_utils.op_counts(gm.graph)
         # a dispatcher choice holds even where the graph is unchanged (the SDPA priority for calls already there)
         self.aot_contexts += ctx.aot_contexts
-        self.late_notes += [(rec, make_note) for make_note in ctx.late_notes]
+        self.late_notes += [(rec, take_notes) for take_notes in ctx.late_notes]
         if not changed:
             return rec, code_before, None
         self.call_hooks += ctx.call_hooks
@@ -250,10 +250,8 @@ class PassManager:
 
     def add_late_notes(self) -> None:
         """After the code generator ran: the notes passes asked to make then (ctx.note_after_compile)."""
-        for rec, make_note in self.late_notes:
-            note = make_note()
-            if note:
-                rec.notes.append(note)
+        for rec, take_notes in self.late_notes:
+            take_notes(rec.notes)
         self.late_notes.clear()
 
     # -------------------------------------------------------------- the wrap stage

@@ -89,7 +89,7 @@ class PassContext:
     # run after each call of the compiled graph, on its outputs (see after_each_call)
     return_hooks: list[Callable[[Any], Any]] = dataclasses.field(default_factory=list)
     # notes made once the graph is compiled (see note_after_compile)
-    late_notes: list[Callable[[], str | None]] = dataclasses.field(default_factory=list)
+    late_notes: list[Callable[[list[str]], None]] = dataclasses.field(default_factory=list)
     # lossy passes that say what each rewrite replaced: label -> (the new node's name, the exact function)
     local_checks: dict[str, tuple[str, Callable[..., Any]]] = dataclasses.field(default_factory=dict)
     inputs_fn: Callable[[], list[Any]] | None = dataclasses.field(default=None, repr=False)
@@ -143,10 +143,11 @@ class PassContext:
             raise RuntimeError("after_each_call is for pre_aot passes: later graphs return other outputs")
         self.return_hooks.append(hook)
 
-    def note_after_compile(self, make_note: Callable[[], str | None]) -> None:
-        """Add ``make_note()`` to this pass's notes once the code generator has compiled the graph (None adds
-        nothing): for what only the compile tells, such as a capture Inductor declined."""
-        self.late_notes.append(make_note)
+    def note_after_compile(self, take_notes: Callable[[list[str]], None]) -> None:
+        """Once the code generator has compiled the graph, hand ``take_notes`` this pass's notes in the report
+        (a list it may append to, then or at a later call): for what only the compile or the first call tells,
+        such as a capture Inductor declined."""
+        self.late_notes.append(take_notes)
 
     def during_aot(self, context_factory: Callable[[], Any]) -> None:
         """Hold ``context_factory()`` while AOTAutograd traces this graph (pre_aot passes only): for choices the

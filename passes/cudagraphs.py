@@ -83,16 +83,24 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
         if why:
             ctx.note(f"not captured: {why}")
             return False
-    skipped: list[str] = []
-    ctx.during_aot(lambda: _inductor_captures(skipped))
+    # Inductor's refusals come in its log, at compile time or at the first call (cudagraph trees check the
+    # inputs when they record): listened to until the first call is over, then put in this pass's notes
+    listener = _SkipLog()
+    ctx.during_aot(lambda: _inductor_captures(listener))
+    ctx.note_after_compile(listener.report_to)
     ctx.count("captured")
     ctx.note(f"captured as a CUDA graph (Inductor's cudagraph trees; decide={ctx.options.decide!r})")
-    if ctx.options.copy_outputs:
-        keep = _outputs_in_pool(gm)
-        ctx.after_each_call(lambda outputs: _copy_out(outputs, keep))
+    keep = _outputs_in_pool(gm) if ctx.options.copy_outputs else None
+    if keep is not None:
         ctx.note("outputs copied out of the CUDA graphs' pool after each call (copy_outputs=False leaves them there, "
                  "valid until the next call)")
-    ctx.note_after_compile(lambda: f"Inductor declined the capture: {'; '.join(skipped)}" if skipped else None)
+
+    def after(outputs):
+        if listener.listening:
+            listener.stop()
+        return _copy_out(outputs, keep) if keep is not None else outputs
+
+    ctx.after_each_call(after)
     return True  # applied: the graph is the same, Inductor compiles it into a CUDA graph
 
 
@@ -236,30 +244,47 @@ def _copy_out(outputs: Any, keep: frozenset[int]) -> Any:
 
 
 class _SkipLog(logging.Handler):
-    def __init__(self, sink: list[str]):
+    """Collects Inductor's "skipping cudagraphs due to ..." messages into the pass's notes."""
+
+    def __init__(self):
         super().__init__(logging.WARNING)
-        self.sink = sink
+        self.notes: list[str] | None = None
+        self.listening = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.sink.append(record.getMessage())
+        if self.notes is not None:
+            self.notes.append(f"Inductor declined the capture: {record.getMessage().splitlines()[0]}")
+
+    def report_to(self, notes: list[str]) -> None:
+        self.notes = notes
+
+    def start(self) -> None:
+        if not self.listening:
+            _logger().addHandler(self)
+            self.listening = True
+
+    def stop(self) -> None:
+        _logger().removeHandler(self)
+        self.listening = False
+
+
+def _logger() -> logging.Logger:
+    try:
+        from torch._inductor.cudagraph_utils import cudagraphs_log
+
+        return cudagraphs_log
+    except ImportError:  # an older torch
+        return logging.getLogger("torch._inductor.cudagraph_utils")
 
 
 @contextlib.contextmanager
-def _inductor_captures(skipped: list[str]):
-    """Inductor's CUDA-graph trees on for this compile, and its refusals (logged, not raised) collected."""
+def _inductor_captures(listener: _SkipLog):
+    """Inductor's CUDA-graph trees on for this compile; its refusals heard from now until the first call ends."""
     from torch._inductor import config
 
-    try:
-        from torch._inductor.cudagraph_utils import cudagraphs_log as logger
-    except ImportError:  # an older torch: no reasons, the capture is still made
-        logger = logging.getLogger("torch._inductor.cudagraph_utils")
-    handler = _SkipLog(skipped)
-    logger.addHandler(handler)
-    try:
-        with config.patch({"triton.cudagraphs": True}):
-            yield
-    finally:
-        logger.removeHandler(handler)
+    listener.start()
+    with config.patch({"triton.cudagraphs": True}):
+        yield
 
 
 __all__: Sequence[str] = ("cudagraphs", "CudaGraphsOptions", "estimate")
