@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 from typing import Any, Literal, Sequence
 
 import torch
@@ -198,7 +199,7 @@ _VIEWS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squ
 
 def _is_view(node: fx.Node) -> bool:
     name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-    return name in _VIEWS or node.target is getattr(__import__("operator"), "getitem")
+    return name in _VIEWS or node.target is operator.getitem
 
 
 def _nbytes(value: Any) -> int:
@@ -207,8 +208,7 @@ def _nbytes(value: Any) -> int:
 
 def _output_nodes(gm: fx.GraphModule) -> list[Any]:
     out = next(n for n in gm.graph.nodes if n.op == "output")
-    return list(fx.node.map_arg(out.args[0], lambda n: n) if isinstance(out.args[0], (tuple, list))
-                else [out.args[0]])
+    return list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else [out.args[0]]
 
 
 def _output_bytes(gm: fx.GraphModule) -> int:
@@ -283,8 +283,12 @@ def _inductor_captures(listener: _SkipLog):
     from torch._inductor import config
 
     listener.start()
-    with config.patch({"triton.cudagraphs": True}):
-        yield
+    try:
+        with config.patch({"triton.cudagraphs": True}):
+            yield
+    except BaseException:  # no compiled graph, no first call to stop listening at
+        listener.stop()
+        raise
 
 
 __all__: Sequence[str] = ("cudagraphs", "CudaGraphsOptions", "estimate")

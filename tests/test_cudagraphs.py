@@ -152,3 +152,19 @@ def test_bad_options_are_refused():
         kpt_compiler.parse_options(None, {"cudagraphs": {"launch_bound_ms": 0}})
     with pytest.raises(OptionError, match="decide"):
         kpt_compiler.parse_options(None, {"cudagraphs": {"decide": "measure"}})
+
+
+def test_inductors_refusals_are_heard_until_the_first_call_and_land_in_the_notes():
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    notes = []
+    listener = cg._SkipLog()
+    with cg._inductor_captures(listener):  # the compile
+        from torch._inductor import config
+
+        assert config.triton.cudagraphs
+    listener.report_to(notes)  # the report is made after the compile; the first call records
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances)\n  File ...")
+    listener.stop()  # the first call is over
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to another graph's reason")
+    assert notes == ["Inductor declined the capture: skipping cudagraphs due to mutated inputs (1 instances)"]
