@@ -269,12 +269,11 @@ class _SkipLog(logging.Handler):
 
 
 def _logger() -> logging.Logger:
-    try:
-        from torch._inductor.cudagraph_utils import cudagraphs_log
+    """The logger Inductor's "skipping cudagraphs" messages go to: ``cudagraphs_log`` (torch 2.10 and later),
+    ``perf_hint_log`` before."""
+    from torch._inductor import cudagraph_utils
 
-        return cudagraphs_log
-    except ImportError:  # an older torch
-        return logging.getLogger("torch._inductor.cudagraph_utils")
+    return getattr(cudagraph_utils, "cudagraphs_log", None) or cudagraph_utils.perf_hint_log
 
 
 @contextlib.contextmanager
