@@ -64,7 +64,7 @@ def test_auto_captures_a_small_graph_and_says_why():
     ctx = _ctx()
     if ctx.cost_model.calibration is None:
         pytest.skip("no H100 calibration committed")
-    assert cg._too_big(gm, ctx) is None
+    assert cg._too_big(gm, ctx, cg._outputs_in_pool(gm)) is None
     assert "launches dominate" in ctx.notes[-1] and "NVIDIA H100" in ctx.notes[-1], ctx.notes
 
 
@@ -73,23 +73,23 @@ def test_auto_leaves_a_graph_whose_device_time_is_over_the_bound():
     ctx = _ctx()
     if ctx.cost_model.calibration is None:
         pytest.skip("no H100 calibration committed")
-    why = cg._too_big(gm, ctx)
+    why = cg._too_big(gm, ctx, cg._outputs_in_pool(gm))
     assert why and "not under launch_bound_ms=1.0" in why, why
-    assert cg._too_big(gm, _ctx(launch_bound_ms=1000.0)) is None  # the bound is the user's to move
+    assert cg._too_big(gm, _ctx(launch_bound_ms=1000.0), cg._outputs_in_pool(gm)) is None  # the bound is the user's to move
 
 
 def test_auto_leaves_a_graph_whose_output_copy_would_cost_too_much():
     # a small computation with a large output (an embedding table's worth of logits): the copy would dominate
     gm = _graph(lambda x: x.expand(4, 4096, 4096) * 2, torch.randn(1, 1, 4096))
-    why = cg._too_big(gm, _ctx())
+    why = cg._too_big(gm, _ctx(), cg._outputs_in_pool(gm))
     assert why and "copying its outputs out" in why, why
-    assert cg._too_big(gm, _ctx(copy_outputs=False)) is None
+    assert cg._too_big(gm, _ctx(copy_outputs=False), None) is None
 
 
 def test_without_a_calibration_auto_declines_and_always_is_the_way_out():
     ctx = _ctx()
     ctx.cost_model = CostModel(Target("cuda", "Some Future GPU", (12, 0)))
-    why = cg._too_big(_graph(Mlp(), torch.randn(4, 8, 256)), ctx)
+    why = cg._too_big(_graph(Mlp(), torch.randn(4, 8, 256)), ctx, None)
     assert "no calibration of NVIDIA H100" in why and "decide='always'" in why, why
 
 
