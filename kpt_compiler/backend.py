@@ -72,17 +72,59 @@ def _compile_id() -> str:
 def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager) -> Callable:
     is_inference = not torch.is_grad_enabled()
     pm.run_stage(gm, "pre_aot", is_inference=is_inference)
-    with contextlib.ExitStack() as stack:
-        for factory in pm.aot_contexts:  # e.g. the SDPA backend priority the attention pass chose
-            stack.enter_context(factory())
-        compiled = EMITTERS[pm.codegen](gm, example_inputs, pm)
-    pm.add_late_notes()
-    compiled = pm.run_wrap_stage(compiled, gm, is_inference)
+    if pm.defer_calls > 1 and not graph_utils.has_dynamic_sizes(gm):
+        compiled = _Deferred(gm, pm, is_inference)
+    else:
+        compiled = _emit(gm, example_inputs, pm, is_inference)
+    for wrapper in pm.call_wrappers:  # e.g. bucketing: pad the arguments, slice the outputs
+        compiled = wrapper(compiled)
     if pm.call_hooks or pm.return_hooks:
         return _with_call_hooks(compiled, pm.call_hooks, pm.return_hooks)
     return compiled
 
 
+def _emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager, is_inference: bool) -> Callable:
+    with contextlib.ExitStack() as stack:
+        for factory in pm.aot_contexts:  # e.g. the SDPA backend priority the attention pass chose
+            stack.enter_context(factory())
+        compiled = EMITTERS[pm.codegen](gm, example_inputs, pm)
+    pm.add_late_notes()
+    return pm.run_wrap_stage(compiled, gm, is_inference)
+
+
+class _Deferred:
+    """A graph run as it is (eagerly: the Dynamo graph after the pre_aot passes) until its ``pm.defer_calls``-th
+    call, then compiled with that call's arguments (ctx.defer_compile); the report says when."""
+
+    def __init__(self, gm: fx.GraphModule, pm: PassManager, is_inference: bool):
+        self.gm, self.pm, self.is_inference = gm, pm, is_inference
+        self.calls, self.compiled = 0, None
+        self.tracing = torch._guards.TracingContext.try_get()  # Dynamo's, for Inductor to find static inputs
+        pm.report.notes.append(f"compile deferred to call {pm.defer_calls}: the graph runs eagerly until then")
+
+    @property
+    def ready(self) -> bool:
+        return self.compiled is not None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.compiled is None:
+            self.calls += 1
+            if self.calls < self.pm.defer_calls:
+                return self.gm(*args)
+            start = time.perf_counter()
+            try:
+                with torch._guards.tracing(self.tracing) if self.tracing is not None else contextlib.nullcontext():
+                    self.compiled = _emit(self.gm, args, self.pm, self.is_inference)
+            except Exception as e:  # noqa: BLE001 - the graph runs as it is, as it did until now
+                if self.pm.options.strict:
+                    raise
+                self.compiled = self.gm
+                self.pm.report.notes.append(f"the deferred compile failed ({type(e).__name__}: {str(e)[:200]}); "
+                                            "the graph keeps running as it is")
+                return self.gm(*args)
+            self.pm.report.notes.append(f"compiled at call {self.calls} "
+                                        f"({(time.perf_counter() - start) * 1e3:.0f} ms)")
+        return self.compiled(*args)
 def _with_call_hooks(compiled: Callable, before: list[Callable], after: list[Callable]) -> Callable:
     """The compiled callable with the passes' hooks around each call (outermost: outside any CUDA graph):
     ``before`` see the arguments, ``after`` get the outputs and return what the caller receives."""

@@ -225,3 +225,15 @@ def random_inputs(gm: fx.GraphModule, seed: int = 0) -> list[Any]:
     generator = torch.Generator().manual_seed(seed)
     specs = [input_spec(n.meta.get("val", n.meta.get("example_value"))) for n in gm.graph.nodes if n.op == "placeholder"]
     return [make_input(s, generator) for s in specs]
+
+
+def has_dynamic_sizes(gm: fx.GraphModule) -> bool:
+    """Whether any input of a Dynamo graph has a symbolic size (or is a symbolic int)."""
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        v = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(v, torch.SymInt) or isinstance(v, torch.Tensor) and any(
+                isinstance(s, torch.SymInt) for s in v.shape):
+            return True
+    return False

@@ -67,6 +67,8 @@ class PassManager:
         self.aot_contexts: list[Callable[[], Any]] = []  # from pre_aot passes that applied
         self.call_hooks: list[Callable[[Sequence[Any]], None]] = []  # run before each call (ctx.before_each_call)
         self.return_hooks: list[Callable[[Any], Any]] = []  # run on the outputs of each call (ctx.after_each_call)
+        self.call_wrappers: list[Callable[[Callable], Callable]] = []  # wrap the compiled graph (ctx.wrap_each_call)
+        self.defer_calls = 0  # compile at this call, eager before (ctx.defer_compile)
         self.late_notes: list[tuple[PassRecord, Callable[[list[str]], None]]] = []  # ctx.note_after_compile
         # (stage, is_inference) of the graph an emitter is compiling now, for hooks that are not told (Inductor's)
         self.emitter_stage: list[tuple[str, bool]] = []
@@ -215,10 +217,12 @@ class PassManager:
         # a dispatcher choice holds even where the graph is unchanged (the SDPA priority for calls already there)
         self.aot_contexts += ctx.aot_contexts
         self.late_notes += [(rec, take_notes) for take_notes in ctx.late_notes]
+        self.defer_calls = max(self.defer_calls, ctx.defer_calls)  # a pass may defer a graph it leaves as it is
         if not changed:
             return rec, code_before, None
         self.call_hooks += ctx.call_hooks
         self.return_hooks += ctx.return_hooks
+        self.call_wrappers += ctx.call_wrappers
         rec.status = "applied"
         before = code_before if code_before is not None else graph_utils.readable_code(gm, snap.graph)
         after = graph_utils.readable_code(gm)

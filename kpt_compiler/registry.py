@@ -88,6 +88,10 @@ class PassContext:
     call_hooks: list[Callable[[Sequence[Any]], None]] = dataclasses.field(default_factory=list)
     # run after each call of the compiled graph, on its outputs (see after_each_call)
     return_hooks: list[Callable[[Any], Any]] = dataclasses.field(default_factory=list)
+    # wrappers of the compiled callable, innermost first (see wrap_each_call)
+    call_wrappers: list[Callable[[Callable], Callable]] = dataclasses.field(default_factory=list)
+    # compile at the n-th call, running the graph as it is before (see defer_compile); 0: now
+    defer_calls: int = 0
     # notes made once the graph is compiled (see note_after_compile)
     late_notes: list[Callable[[list[str]], None]] = dataclasses.field(default_factory=list)
     # lossy passes that say what each rewrite replaced: label -> (the new node's name, the exact function)
@@ -142,6 +146,23 @@ class PassContext:
         if self.stage != "pre_aot":
             raise RuntimeError("after_each_call is for pre_aot passes: later graphs return other outputs")
         self.return_hooks.append(hook)
+
+    def wrap_each_call(self, wrapper: Callable[[Callable], Callable]) -> None:
+        """Have ``wrapper(compiled) -> callable`` wrap the compiled graph (pre_aot passes that applied only): for
+        a pass that changes the arguments, such as bucketing padding them to a bucket's sizes. Wrappers sit inside
+        the before/after hooks, so those see the caller's arguments and the outputs the wrapper returns."""
+        if self.stage != "pre_aot":
+            raise RuntimeError("wrap_each_call is for pre_aot passes: later graphs are called with other arguments")
+        self.call_wrappers.append(wrapper)
+
+    def defer_compile(self, calls: int) -> None:
+        """Run the graph as it is (eagerly) until its ``calls``-th call, and compile it then, with that call's
+        arguments as the example (pre_aot passes, graphs without dynamic sizes only: a dynamic graph compiled
+        outside Dynamo would lose its symbols). For graphs that may never be called again: bucketing's static
+        first graph, whose compile would cost seconds for one call."""
+        if self.stage != "pre_aot":
+            raise RuntimeError("defer_compile is for pre_aot passes")
+        self.defer_calls = max(self.defer_calls, calls)
 
     def note_after_compile(self, take_notes: Callable[[list[str]], None]) -> None:
         """Once the code generator has compiled the graph, hand ``take_notes`` this pass's notes in the report
