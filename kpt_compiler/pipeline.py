@@ -17,7 +17,8 @@ __all__ = ["DEFAULT_PIPELINE", "resolve_pipeline", "describe_pipeline"]
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     # pre_aot: before AOTAutograd, so a rewrite's backward comes from its replacement's autograd formula
-    "attention",  # first: it needs the softmax chain intact, before anything fuses parts of it
+    "bucketing",  # first: it proves padding safe on the graph as the user wrote it (off unless asked)
+    "attention",  # first rewrite: it needs the softmax chain intact, before anything fuses parts of it
     "fp8",  # lossy, off by default; before the fusion rules, which would take its linears into bf16 kernels
     # the fusion group, after attention, which needs the q/k/v projections' outputs as they were
     "fold-conv-bn",  # before the GEMM rules: a folded convolution is no GEMM candidate, and it is cheap

@@ -7,6 +7,7 @@ an underscore hold what several passes share. The rules a pass must keep are in 
 
 from . import (  # noqa: F401  (importing registers them)
     attention,
+    bucketing,
     cudagraphs,
     fold_conv_bn,
     fp8,

@@ -1,0 +1,348 @@
+"""Shape bucketing: inputs whose sizes vary are padded up to a few sizes (buckets), and the outputs sliced back.
+
+Dynamo compiles a graph for the sizes it first sees; once a size changes it compiles one that is dynamic in that
+dimension (or, with ``mark_dynamic``, from the start). A dynamic graph runs every size, but a CUDA graph holds
+one size and Inductor's cudagraph trees record one per size: a stream of changing sequence lengths records
+graphs without end (pytorch/pytorch#128424). This pass takes the dynamic graph and pads its varying dimensions
+to a ladder of sizes (powers of two by default, or the user's ``buckets``), so the compiled code and its CUDA
+graphs meet a few sizes only; the padding is zeros (False for bool inputs: an attention mask padded with zeros
+hides the padding).
+
+It pads only where it proves from the graph that padding cannot change the real part of the outputs
+(passes/_padding_proof.py: rows independent along the padded dims, causal attention or a mask that hides the
+padded keys, no reduction across a padded dim), and it says why not where it cannot: per dimension, so a
+sequence it cannot prove still leaves the batch padded. The proof runs on the graph as the user wrote it
+(traced to ATen before the other passes rewrite it; their rewrites compute each row as before). Inference
+only: in training the padded positions would enter the loss and the gradients.
+
+At each call the real sizes are read from the inputs, rounded up to their buckets, and checked against the
+guards the compiled code was made under (a bucket past a guard, such as a maximum length, runs unpadded); the
+first call of each bucket is noted in the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from kpt_compiler import graph_utils
+from kpt_compiler import torch_ir as ir
+from kpt_compiler.registry import PassContext, graph_pass
+
+from ._padding_proof import AV, Unprovable, prove
+
+MAX_SYMBOL_RETRIES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketingOptions:
+    # which dimensions of the inputs may be padded (0: batch, 1: sequence, ...); None: every dynamic one
+    dims: tuple[int, ...] | None = None
+    # the sizes to pad to, ascending; None: powers of two. A size past the last bucket runs unpadded
+    buckets: tuple[int, ...] | None = None
+    # a graph Dynamo made for one set of sizes (before any changed) compiles at this call, running eagerly
+    # before: in a stream of changing sizes it may never be called again (1: compile at once)
+    compile_static_after: int = 2
+
+    def __post_init__(self):
+        if self.buckets is not None:
+            if not self.buckets or any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+                raise ValueError(f"buckets must be positive sizes in ascending order, got {list(self.buckets)}")
+        if self.compile_static_after < 1:
+            raise ValueError(f"compile_static_after must be 1 or more, got {self.compile_static_after}")
+        if self.dims is not None and any(d < 0 for d in self.dims):
+            raise ValueError(f"dims must be dimension indices >= 0, got {list(self.dims)}")
+
+
+@dataclasses.dataclass
+class Plan:
+    """How one graph is padded: read by the wrapper at each call and by the cudagraphs pass."""
+
+    symbols: tuple[sympy.Symbol, ...]  # padded
+    sources: dict[sympy.Symbol, tuple[int, int]]  # every dynamic symbol -> (argument, dim) that gives its value
+    tensors: list[tuple[int, list[tuple[int, Any]]]]  # (argument, [(dim, size expression)]) to pad
+    sym_args: list[tuple[int, Any]]  # SymInt arguments: (argument, expression)
+    outputs: list[tuple[int, list[tuple[int, Any]]]]  # (output, [(dim, size expression)]) to slice back
+    buckets: tuple[int, ...] | None
+    shape_env: Any = None
+    withdrawn: str | None = None  # a later pass made padding unsafe (the fp8 pass's tensorwise scales)
+    seen: dict[tuple, bool] = dataclasses.field(default_factory=dict)  # bucket -> the guards hold there
+    notes: list[str] | None = None
+    calls: int = 0
+    mutated_inputs: bool = False  # the graph writes into one of its inputs
+    graphs: Any = None  # a _bucket_graphs.BucketGraphs when the cudagraphs pass captures per bucket
+
+    def bucket(self, n: int) -> int:
+        if self.buckets is None:
+            return 1 << max(n - 1, 0).bit_length()
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return n
+
+    def wrap(self, compiled: Callable) -> Callable:
+        if self.withdrawn:
+            return compiled
+
+        def call(*args: Any) -> Any:
+            return self.call(compiled, args)
+
+        return call
+
+    def call(self, compiled: Callable, args: Sequence[Any]) -> Any:
+        self.calls += 1
+        real = {s: _size(args, where) for s, where in self.sources.items()}
+        padded = dict(real)
+        for s in self.symbols:
+            padded[s] = self.bucket(real[s])
+        if self.graphs is None and all(padded[s] == real[s] for s in self.symbols):
+            return compiled(*args)
+        key = tuple(padded[s] for s in self.symbols)
+        ok = self.seen.get(key)
+        if ok is None:
+            ok = self.seen[key] = _guards_hold(self.shape_env, padded)
+            if self.notes is not None:
+                sizes = ", ".join(f"{s}={padded[s]}" for s in self.symbols)
+                self.notes.append(f"call {self.calls}: first call in bucket {sizes}" if ok else
+                                  f"call {self.calls}: bucket {sizes} breaks a guard the code was compiled under; "
+                                  "calls there run unpadded")
+        if not ok:
+            return compiled(*args)
+        shapes = {i: tuple(_value(e, padded) if d in dict(dims) else args[i].shape[d]
+                           for d, e in enumerate(_full_dims(args[i], dims)))
+                  for i, dims in self.tensors}
+        new = list(args)
+        for i, expr in self.sym_args:
+            new[i] = _value(expr, padded)
+        if self.graphs is not None:
+            outs = self.graphs.run(key, compiled, new, list(shapes), shapes, {s: padded[s] for s in self.symbols})
+            if outs is not None:
+                return self._slice(outs, real, copy=True)
+        for i in shapes:
+            t = args[i]
+            pad = [0] * (2 * t.dim())
+            for d in range(t.dim()):
+                pad[2 * (t.dim() - 1 - d) + 1] = shapes[i][d] - t.shape[d]
+            new[i] = F.pad(t, pad) if any(pad) else t
+        return self._slice(compiled(*new), real, copy=False)
+
+    def _slice(self, outs: Any, real: dict, copy: bool) -> Any:
+        flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        for i, dims in self.outputs:
+            o = flat[i]
+            for d, expr in dims:
+                o = o.narrow(d, 0, _value(expr, real))
+            flat[i] = o
+        if copy:  # out of the CUDA graphs' pool, which the next replay writes
+            flat = [o.clone() if isinstance(o, torch.Tensor) else o for o in flat]
+        return type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0]
+
+
+def _full_dims(t: torch.Tensor, dims: list[tuple[int, Any]]) -> list[Any]:
+    given = dict(dims)
+    return [given.get(d) for d in range(t.dim())]
+
+
+def _size(args: Sequence[Any], where: tuple[int, int]) -> int:
+    i, d = where
+    return int(args[i]) if d < 0 else int(args[i].shape[d])
+
+
+def _value(expr: Any, values: dict) -> int:
+    return int(expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+
+
+def _guards_hold(shape_env: Any, values: dict) -> bool:
+    """Whether the compiled code's guards and value ranges hold at these sizes (symbols it does not know: no)."""
+    if shape_env is None:
+        return True
+    subs = {s: sympy.Integer(v) for s, v in values.items()}
+    for s, v in values.items():
+        vr = shape_env.var_to_range.get(s)
+        if vr is not None and not (vr.lower <= v <= vr.upper):
+            return False
+    for guard in shape_env.guards:
+        r = guard.expr.xreplace(subs)
+        if r is not sympy.true and r != True:  # noqa: E712 - sympy booleans
+            return False
+    return True
+
+
+def _supports(target, options) -> str | None:
+    return None
+
+
+@graph_pass("bucketing", summary="inputs whose sizes vary padded to a ladder of buckets (zeros), outputs sliced "
+            "back, where the graph provably keeps the padding out of the real outputs", stage="pre_aot",
+            options=BucketingOptions, default=False, statistics=("padded_dims",), supports=_supports)
+def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    plan, why = make_plan(gm, ctx)
+    if plan is None:
+        ctx.note(f"not padded: {why}")
+        if ctx.is_inference and ctx.options.compile_static_after > 1 and not graph_utils.has_dynamic_sizes(gm):
+            ctx.defer_compile(ctx.options.compile_static_after)
+            ctx.note(f"compile deferred to call {ctx.options.compile_static_after}: Dynamo makes this graph for the "
+                     "sizes it saw first, and a stream of changing sizes may not call it again")
+        return False
+    gm.meta["kpt_bucketing"] = plan
+    ctx.count("padded_dims", len(plan.symbols))
+    ladder = "powers of two" if plan.buckets is None else f"buckets {list(plan.buckets)}"
+    ctx.note(f"padded to {ladder}: {why}")
+    ctx.wrap_each_call(plan.wrap)
+
+    def keep_notes(notes: list[str]) -> None:
+        plan.notes = notes
+        if plan.withdrawn:
+            notes.append(f"withdrawn: {plan.withdrawn}")
+
+    ctx.note_after_compile(keep_notes)
+    return True  # applied: the graph is the same; the compiled callable gets the padding around it
+
+
+def make_plan(gm: fx.GraphModule, ctx: PassContext) -> tuple[Plan | None, str]:
+    """The padding plan for ``gm``, with what was proven; or None and why not."""
+    if not ctx.is_inference:
+        return None, "a training graph (the padded positions would enter the loss and its gradients)"
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [ir.example_value(n) for n in placeholders]
+    sources: dict[sympy.Symbol, tuple[int, int]] = {}
+    candidates: dict[sympy.Symbol, str] = {}
+    dims = ctx.options.dims
+    for i, (node, v) in enumerate(zip(placeholders, values)):
+        if isinstance(v, torch.SymInt) and isinstance(v.node.expr, sympy.Symbol):
+            sources.setdefault(v.node.expr, (i, -1))
+        elif isinstance(v, torch.Tensor):
+            for d, size in enumerate(v.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    s = size.node.expr
+                    sources.setdefault(s, (i, d))
+                    if dims is None or d in dims:
+                        candidates.setdefault(s, f"{node.name} dim {d}")
+    if not candidates:
+        return None, ("no input size varies in this graph (Dynamo compiles one for the sizes first seen; bucketing "
+                      "pads the graph it makes dynamic once a size changes, or dims marked with "
+                      "torch._dynamo.mark_dynamic)" if not sources else
+                      f"none of the dynamic dims is in dims={list(dims)}")
+    if any(s not in sources for v in values if isinstance(v, torch.Tensor)
+           for size in v.shape if isinstance(size, torch.SymInt) for s in size.node.expr.free_symbols):
+        return None, "an input size is an expression of sizes no input gives alone"
+    try:
+        aten_gm = _trace(gm, values)
+    except Exception as e:  # noqa: BLE001 - no trace, no proof
+        return None, f"the graph could not be traced to ATen for the proof ({type(e).__name__}: {str(e)[:200]})"
+    refused: list[str] = []
+    padded = frozenset(candidates)
+    for _ in range(MAX_SYMBOL_RETRIES):
+        try:
+            outs = prove(aten_gm, padded, _input_facts(aten_gm, values, ctx.example_inputs, padded))
+            break
+        except Unprovable as e:
+            drop = e.symbols & padded or padded
+            refused += [f"{candidates[s]} ({s}): {e}" for s in sorted(drop, key=str)]
+            padded = padded - drop
+            if not padded:
+                return None, "cannot prove that padding leaves the real outputs unchanged: " + "; ".join(refused)
+    else:
+        return None, "cannot prove it for any dim within the retries: " + "; ".join(refused)
+    mutated = _mutated_placeholders(aten_gm)
+    if mutated & set(_padded_placeholders(aten_gm, values, padded)):
+        return None, f"the graph writes into a padded input ({', '.join(sorted(mutated))}); the caller would not see it"
+    plan = Plan(
+        symbols=tuple(sorted(padded, key=str)), sources=sources,
+        tensors=[(i, [(d, size.node.expr) for d, size in enumerate(v.shape) if _has(size, padded)])
+                 for i, v in enumerate(values) if isinstance(v, torch.Tensor) and any(_has(s, padded) for s in v.shape)],
+        sym_args=[(i, v.node.expr) for i, v in enumerate(values) if isinstance(v, torch.SymInt) and _has(v, padded)],
+        outputs=_output_dims(gm, padded), buckets=ctx.options.buckets,
+        shape_env=_shape_env(values), mutated_inputs=bool(mutated),
+    )
+    if plan.outputs is None:
+        return None, "an output is not a tensor or size this pass can slice back"
+    proven = ", ".join(f"{candidates[s]} ({s})" for s in plan.symbols)
+    why = f"proven for {proven} ({len([o for o in outs if o is not None])} outputs sliced back where padded)"
+    if refused:
+        why += "; not padded: " + "; ".join(refused)
+    return plan, why
+
+
+def _mutated_placeholders(aten_gm: fx.GraphModule) -> set[str]:
+    out = set()
+    for node in aten_gm.graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            for arg, a in zip(node.target._schema.arguments, node.args):
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, fx.Node) \
+                        and a.op == "placeholder":
+                    out.add(a.name)
+    return out
+
+
+def _padded_placeholders(aten_gm: fx.GraphModule, values: list[Any], padded: frozenset) -> list[str]:
+    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    return [n.name for n, v in zip(placeholders, values) if isinstance(v, torch.Tensor)
+            and any(_has(s, padded) for s in v.shape)]
+
+
+def _has(size: Any, padded: frozenset) -> bool:
+    return isinstance(size, torch.SymInt) and bool(size.node.expr.free_symbols & padded)
+
+
+def _shape_env(values: list[Any]) -> Any:
+    for v in values:
+        if isinstance(v, torch.SymInt):
+            return v.node.shape_env
+        if isinstance(v, torch.Tensor):
+            for s in v.shape:
+                if isinstance(s, torch.SymInt):
+                    return s.node.shape_env
+    return None
+
+
+def _trace(gm: fx.GraphModule, values: list[Any]) -> fx.GraphModule:
+    """``gm`` in ATen, traced under Dynamo's fake mode so its sizes are sympy expressions over Dynamo's symbols."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # the values' own mode: the tracing context may hold another one by now
+    fake_mode = next(v.fake_mode for v in values if isinstance(v, torch._subclasses.FakeTensor))
+    with fake_mode, torch.no_grad():
+        return make_fx(gm, tracing_mode="real")(*values)
+
+
+def _input_facts(aten_gm: fx.GraphModule, values: list[Any], real: Sequence[Any], padded: frozenset) -> dict[str, AV]:
+    """What the proof starts from: padded inputs hold zeros (False) where padded; a small integer or bool buffer
+    (a causal mask kept as a buffer) is known by its values."""
+    facts = {}
+    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
+    for node, v, r in zip(placeholders, values, real):
+        if not isinstance(v, torch.Tensor):
+            continue
+        shape = tuple(s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s) for s in v.shape)
+        av = AV(shape)
+        zero = False if v.dtype == torch.bool else 0
+        for d, e in enumerate(shape):
+            if getattr(e, "free_symbols", set()) & padded:
+                av.fill[d] = zero  # the padding: zeros
+        if (not av.fill and isinstance(r, torch.Tensor) and r.dtype in (torch.bool, torch.uint8, torch.int8)
+                and not isinstance(r, torch._subclasses.FakeTensor) and r.dim() >= 2):
+            av.concrete = r.detach().cpu()
+        facts[node.name] = av
+    return facts
+
+
+def _output_dims(gm: fx.GraphModule, padded: frozenset) -> list[tuple[int, list[tuple[int, Any]]]] | None:
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
+    result = []
+    for i, o in enumerate(flat):
+        v = ir.example_value(o) if isinstance(o, fx.Node) else o
+        if isinstance(v, torch.Tensor):
+            dims = [(d, s.node.expr) for d, s in enumerate(v.shape) if _has(s, padded)]
+            if dims:
+                result.append((i, dims))
+        elif isinstance(v, torch.SymInt) and _has(v, padded):
+            return None
+    return result
+

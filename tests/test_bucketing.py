@@ -1,0 +1,249 @@
+"""The bucketing pass on the CPU (codegen eager): each rule of the padding proof on a model that needs it, with
+the outputs equal to eager on the real part at sizes that are padded; each refusal with its reason; the ladder,
+the guards, the options. The CUDA graphs per bucket run on the GPU (tests/gpu/test_cudagraphs_gpu.py)."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kpt_compiler
+from kpt_compiler import OptionError
+from kpt_compiler.passes import bucketing as bk
+
+SIZES = [(3, 5), (2, 7), (5, 9), (3, 12), (4, 16)]  # (batch, sequence): padded to 4x8, 2x8, 8x16, 4x16, 4x16
+
+
+def _run(model, make, sizes=SIZES, dims=(0, 1), options=None, training=False):
+    """Compile with bucketing (dims marked dynamic so the first graph is the dynamic one); return the bucketing
+    pass's record of the dynamic graph and the largest difference from eager over the calls."""
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    fn = torch.compile(model, backend="kernelpytorch",
+                       options={"codegen": "eager", "bucketing": options or True, "fusion": False})
+    worst = 0.0
+    with torch.set_grad_enabled(training):
+        for b, s in sizes:
+            args = make(b, s)
+            for a in args:
+                for d in dims:
+                    if isinstance(a, torch.Tensor) and a.dim() > d:
+                        torch._dynamo.mark_dynamic(a, d)
+            got, want = fn(*args), model(*args)
+            assert got.shape == want.shape
+            worst = max(worst, float((got - want).detach().abs().max()))
+    records = [p for r in kpt_compiler.reports() for p in r.passes() if p.name == "bucketing"]
+    return records[-1], worst
+
+
+def _padded(rec) -> list[str]:
+    return [n for n in rec.notes if "first call in bucket" in n]
+
+
+class Rows(nn.Module):  # rows: pointwise, linear, layer norm, views that split and merge dims
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.down(F.gelu(self.up(self.norm(x))))
+        b, s, d = h.shape
+        return h.reshape(b * s, 2, d // 2).softmax(-1).reshape(b, s, d)
+
+
+def _x(b, s):
+    return (torch.randn(b, s, 16),)
+
+
+def test_rows_are_padded_on_both_dims_and_the_real_part_is_eager():
+    rec, err = _run(Rows().eval(), _x)
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 2
+    assert len(_padded(rec)) == 4  # (4, 8), (2, 8), (8, 16), (4, 16): the last size is a bucket already
+    assert err < 1e-5
+
+
+class CausalSdpa(nn.Module):
+    def __init__(self, d=16, causal=True):
+        super().__init__()
+        self.qkv, self.causal = nn.Linear(d, 3 * d), causal
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal).transpose(1, 2).reshape(b, s, 16)
+
+
+def test_causal_attention_pads_the_sequence():
+    rec, err = _run(CausalSdpa().eval(), _x)
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 2 and err < 1e-5
+
+
+class ArangeMask(nn.Module):  # the textbook chain with a mask built from positions
+    def forward(self, x):
+        s = x.shape[1]
+        i = torch.arange(s)
+        scores = (x @ x.transpose(1, 2)).masked_fill(i[None, :, None] < i[None, None, :], float("-inf"))
+        return scores.softmax(-1) @ x
+
+
+def test_a_mask_built_from_arange_comparisons_is_causal():
+    rec, err = _run(ArangeMask(), _x)
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 2 and err < 1e-5
+
+
+def test_a_lower_triangular_buffer_sliced_to_the_length_is_causal():
+    from kpt_compiler.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    rec, err = _run(model, lambda b, s: (torch.randint(0, 64, (b, s)),))
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 2 and err < 1e-5
+
+
+class KeyMask(nn.Module):  # bidirectional attention with a key-padding mask given as an input
+    def forward(self, x, mask):
+        q = x.unsqueeze(1)
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask[:, None, None, :]).squeeze(1)
+
+
+def test_an_input_mask_padded_with_zeros_hides_the_padded_keys():
+    def make(b, s):
+        mask = torch.ones(b, s, dtype=torch.bool)
+        mask[0, s // 2:] = False
+        return torch.randn(b, s, 16), mask
+
+    rec, err = _run(KeyMask(), make)
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 2 and err < 1e-5
+
+
+class Prefix(nn.Module):
+    def forward(self, x):
+        return x.cumsum(1) * 2
+
+
+def test_a_cumulative_sum_along_the_sequence_is_a_prefix():
+    rec, err = _run(Prefix(), _x)
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 2 and err < 1e-5
+
+
+class FirstToken(nn.Module):
+    def forward(self, x):
+        return x[:, 0] + x[:, 1:3].sum(1)
+
+
+def test_reading_constant_positions_is_real():
+    rec, err = _run(FirstToken(), _x, sizes=[(3, 5), (5, 6), (2, 3)])
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 2 and err < 1e-5
+
+
+@pytest.mark.parametrize("model, refused", [
+    (lambda x: x.mean(1), "reduces (mean) over dim 1"),
+    (lambda x: (x + 1).sum(1), "reduces (sum) over dim 1"),  # zeros no more: a sum of x alone would be proven
+    (lambda x: x[:, -1], "moves once padded"),
+    (CausalSdpa(causal=False).eval(), "attention over padded keys"),
+    (lambda x: x * x.shape[1], "computed from the padded size"),
+    (lambda x: x.softmax(1), "softmax over dim 1"),
+    (lambda x: x @ (x + 1).transpose(1, 2) @ (x + 1), "sums over a padded dim"),
+])
+def test_a_sequence_it_cannot_prove_is_refused_with_the_reason_and_the_batch_still_padded(model, refused):
+    rec, err = _run(model, _x)
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 1, rec.notes
+    assert refused in rec.notes[0] and "dim 1" in rec.notes[0], rec.notes[0]
+    assert err < 1e-5
+
+
+@pytest.mark.parametrize("model, refused", [
+    (lambda x: x.sum(), "reduces (sum) over several padded dims"),
+    (lambda x: x.flip(1), "no rule for this op"),  # an op the proof does not know: every padded dim it meets
+])
+def test_nothing_provable_leaves_the_graph_alone(model, refused):
+    # (a sum over dim 1 alone would be proven: the padding is zeros)
+    rec, err = _run(model, _x)
+    assert rec.status == "unchanged" and "cannot prove" in rec.notes[0] and refused in rec.notes[0]
+    assert err < 1e-4
+
+
+def test_a_graph_of_one_shape_and_a_training_graph_are_not_padded():
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    fn = torch.compile(Rows(), backend="kernelpytorch", options={"codegen": "eager", "bucketing": True})
+    with torch.no_grad():
+        fn(torch.randn(2, 3, 16))
+    assert "no input size varies" in kpt_compiler.last_report().pass_record("bucketing").notes[0]
+    rec, _ = _run(Rows(), _x, training=True)
+    assert rec.status == "unchanged" and "training graph" in rec.notes[0]
+
+
+def test_writing_into_a_padded_input_is_refused():
+    def inplace(x):
+        x.add_(1)
+        return x * 2
+
+    rec, _ = _run(inplace, _x)
+    assert rec.status == "unchanged"
+    assert "writes into the padded input" in rec.notes[0] or "writes into a padded input" in rec.notes[0]
+
+
+def test_dims_option_limits_the_padding_and_buckets_set_the_ladder():
+    rec, err = _run(Rows().eval(), _x, options={"dims": [1], "buckets": [8, 12]})
+    assert rec.stats["padded_dims"] == 1 and err < 1e-5
+    sizes = [n.split("bucket ")[1] for n in _padded(rec)]
+    assert sizes == [f"{s}=8" for s in _syms(sizes)][:1] + sizes[1:]  # the first at 8
+    assert any(n.endswith("=12") for n in sizes) and not any("=16" in n for n in sizes)  # 16 is past the ladder
+
+
+def _syms(sizes):
+    return [s.split("=")[0] for s in sizes]
+
+
+def test_the_ladder():
+    plan = bk.Plan(symbols=(), sources={}, tensors=[], sym_args=[], outputs=[], buckets=None)
+    assert [plan.bucket(n) for n in (1, 2, 3, 5, 8, 9, 1000)] == [1, 2, 4, 8, 8, 16, 1024]
+    plan.buckets = (4, 12)
+    assert [plan.bucket(n) for n in (1, 4, 5, 12, 13)] == [4, 4, 12, 12, 13]  # past the last: unpadded
+
+
+class Table(nn.Module):  # a position table of 10: Dynamo guards the length at 10 or less
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(10, 16))
+
+    def forward(self, x):
+        return x + self.pos[: x.shape[1]].expand(x.shape[0], -1, -1) * (x.shape[1] <= 10)
+
+
+def test_a_bucket_that_breaks_a_guard_runs_unpadded():
+    rec, err = _run(Table().eval(), _x, sizes=[(2, 3), (3, 9), (2, 10)])
+    assert err < 1e-5
+    assert any("breaks a guard" in n for n in rec.notes), rec.notes
+
+
+def test_bad_options_name_what_is_wrong():
+    with pytest.raises(OptionError, match="ascending"):
+        torch.compile(Rows(), backend="kernelpytorch", options={"bucketing": {"buckets": [8, 4]}})(
+            torch.randn(2, 3, 16))
+    with pytest.raises(OptionError, match="bucket"):
+        torch.compile(Rows(), backend="kernelpytorch", options={"bucketing": {"ladder": "fit"}})(
+            torch.randn(2, 3, 16))
+
+
+def test_a_graph_of_one_shape_compiles_at_its_second_call_and_runs_eagerly_before():
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    model = Rows().eval()
+    fn = torch.compile(model, backend="kernelpytorch", options={"codegen": "eager", "bucketing": True})
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        first = fn(x)
+        report = kpt_compiler.last_report()
+        assert report.notes == ["compile deferred to call 2: the graph runs eagerly until then"]
+        assert "joint" not in report.stages  # not compiled yet: no AOTAutograd stage ran
+        second = fn(x)
+        torch.testing.assert_close(first, model(x))
+        torch.testing.assert_close(second, model(x))
+    assert report.notes[-1].startswith("compiled at call 2") and "joint" in report.stages
+    torch._dynamo.reset()
+    fn = torch.compile(model, backend="kernelpytorch",
+                       options={"codegen": "eager", "bucketing": {"compile_static_after": 1}})
+    with torch.no_grad():
+        fn(x)
+    assert "joint" in kpt_compiler.last_report().stages
