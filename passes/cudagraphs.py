@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import operator
 from typing import Any, Literal, Sequence
 
@@ -61,10 +62,14 @@ class CudaGraphsOptions:
     launch_bound_ms: float = DEFAULT_LAUNCH_BOUND_MS
     # copy the outputs out of the graph's memory pool after each replay, so they stay valid after the next call
     copy_outputs: bool = True
+    # bucketed graphs (one CUDA graph per bucket): stop capturing new buckets once their pool holds this much
+    max_pool_mb: float | None = None
 
     def __post_init__(self):
         if not self.launch_bound_ms > 0:
             raise ValueError(f"launch_bound_ms must be positive, got {self.launch_bound_ms}")
+        if self.max_pool_mb is not None and not self.max_pool_mb > 0:
+            raise ValueError(f"max_pool_mb must be positive (or None for no cap), got {self.max_pool_mb}")
 
 
 def _supports(target, options) -> str | None:
@@ -81,6 +86,9 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
     if why:
         ctx.note(f"not captured: {why}")
         return False
+    plan = _bucketing_plan(gm)
+    if plan is not None:
+        return _per_bucket(gm, ctx, plan)
     keep = _outputs_in_pool(gm) if ctx.options.copy_outputs else None
     if ctx.options.decide == "auto":
         why = _too_big(gm, ctx, keep)
@@ -118,12 +126,17 @@ def _refusal(gm: fx.GraphModule, ctx: PassContext) -> str | None:
     if ctx.mode == "max-autotune-no-cudagraphs":
         return "mode='max-autotune-no-cudagraphs' asks for none"
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    plan = _bucketing_plan(gm)
+    bucketed = frozenset(plan.symbols) if plan is not None else frozenset()
     for node in placeholders:
         value = ir.example_value(node)
-        if isinstance(value, torch.SymInt) or isinstance(value, torch.Tensor) and any(
-                isinstance(s, torch.SymInt) for s in value.shape):
-            return (f"input {node.name} has dynamic sizes: a CUDA graph holds one size, so each new size "
-                    "would record another")
+        sizes = [value] if isinstance(value, torch.SymInt) else list(value.shape) if isinstance(
+            value, torch.Tensor) else []
+        free = set().union(*[s.node.expr.free_symbols for s in sizes if isinstance(s, torch.SymInt)])
+        if free - bucketed:
+            return (f"input {node.name} has dynamic sizes ({', '.join(sorted(map(str, free - bucketed)))}): a CUDA "
+                    "graph holds one size, so each new size would record another (options={'bucketing': True} "
+                    "pads them to a few sizes)")
     for node in gm.graph.nodes:
         if node.op in ("call_method", "call_function"):
             if node.op == "call_method" and node.target in _SYNC_METHODS or node.target in _SYNC_FUNCTIONS:
@@ -136,6 +149,42 @@ def _refusal(gm: fx.GraphModule, ctx: PassContext) -> str | None:
         if isinstance(value, torch.Tensor) and value.device.type != "cuda":
             return f"input {node.name} is on {value.device}, not on the GPU"
     return None
+
+
+def _bucketing_plan(gm: fx.GraphModule):
+    plan = gm.meta.get("kpt_bucketing")
+    return plan if plan is not None and not plan.withdrawn else None
+
+
+def _per_bucket(gm: fx.GraphModule, ctx: PassContext, plan) -> bool:
+    """A bucketed graph: one CUDA graph per bucket where it pays (passes/_bucket_graphs.py), not Inductor's trees,
+    which would capture every size or none."""
+    from ._bucket_graphs import BucketGraphs, CaptureSettings
+
+    cal = ctx.cost_model.calibration if ctx.cost_model is not None else None
+    ceilings = cal.ceilings if cal is not None else None
+
+    def estimate_ms(sizes: dict) -> float | None:
+        if not ceilings or not ceilings.get("tflops") or not ceilings.get("copy_tbps"):
+            return None
+        flops, written, params = estimate(gm, sizes)
+        return max(flops / (ceilings["tflops"] * 1e9) + (2 * written + params) / (ceilings["copy_tbps"] * 1e9),
+                   ceilings.get("kernel_floor_us", 0.0) / 1e3)
+
+    graphs = BucketGraphs(CaptureSettings(ctx.options.decide, ctx.options.launch_bound_ms, ctx.options.max_pool_mb,
+                                          estimate_ms), plan.mutated_inputs)
+    plan.graphs = graphs
+
+    def take_notes(notes: list[str]) -> None:
+        graphs.notes = notes
+
+    ctx.note_after_compile(take_notes)
+    ctx.count("captured")
+    cap = "no cap" if ctx.options.max_pool_mb is None else f"max_pool_mb={ctx.options.max_pool_mb}"
+    ctx.note(f"bucketed graph: one CUDA graph per bucket, captured at its second call where "
+             f"{'launches dominate (decide=auto)' if ctx.options.decide == 'auto' else 'safe (decide=always)'}, "
+             f"one memory pool for all ({cap}); outputs copied out after each replay")
+    return True
 
 
 def _too_big(gm: fx.GraphModule, ctx: PassContext, keep: frozenset[int] | None) -> str | None:
@@ -166,29 +215,45 @@ def _too_big(gm: fx.GraphModule, ctx: PassContext, keep: frozenset[int] | None) 
     return None
 
 
-def estimate(gm: fx.GraphModule) -> tuple[float, int, int]:
+def estimate(gm: fx.GraphModule, sizes: dict | None = None) -> tuple[float, int, int]:
     """(FLOPs of the graph, as torch.utils.flop_counter counts them on a run over the recorded fake values; bytes
-    its ops write; bytes of its tensor inputs)."""
+    its ops write; bytes of its tensor inputs). ``sizes``: values of the dynamic sizes (symbol -> int); the
+    ones not given take the sizes of the example Dynamo compiled with."""
     written, inputs, fakes = 0, 0, []
     for node in gm.graph.nodes:
         value = ir.example_value(node)
         if node.op == "placeholder":
-            inputs += _nbytes(value)
-            fakes.append(value)
+            inputs += _nbytes(value, sizes)
+            fakes.append(_int(value, sizes) if isinstance(value, torch.SymInt) else value)
         elif node.op in ("call_function", "call_method", "call_module") and isinstance(value, torch.Tensor):
             if not _is_view(node):
-                written += _nbytes(value)
-    return _count_flops(gm, fakes), written, inputs
+                written += _nbytes(value, sizes)
+    return _count_flops(gm, fakes, sizes), written, inputs
 
 
-def _count_flops(gm: fx.GraphModule, values: list[Any]) -> float:
+def _int(size: Any, sizes: dict | None) -> int:
+    """A size as an int: a dynamic one at ``sizes`` (symbol -> int) where they give it, else its example's."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    expr = size.node.expr
+    if sizes:
+        import sympy
+
+        expr = expr.xreplace({s: sympy.Integer(v) for s, v in sizes.items()})
+    if expr.is_number:
+        return int(expr)
+    return int(size.node.hint)
+
+
+def _count_flops(gm: fx.GraphModule, values: list[Any], sizes: dict | None = None) -> float:
     """The graph run once under torch's FLOP counter, on fresh fake tensors of the recorded shapes (the recorded
     values may come from several fake modes once passes have added nodes, which FakeTensorMode refuses to mix)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+        fakes = [torch.empty_strided([_int(s, sizes) for s in v.shape], [_int(s, sizes) for s in v.stride()],
+                                     dtype=v.dtype, device=v.device)
                  if isinstance(v, torch.Tensor) else v for v in values]
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             gm(*fakes)
@@ -205,8 +270,10 @@ def _is_view(node: fx.Node) -> bool:
     return name in _VIEWS or node.target is operator.getitem
 
 
-def _nbytes(value: Any) -> int:
-    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+def _nbytes(value: Any, sizes: dict | None = None) -> int:
+    if not isinstance(value, torch.Tensor):
+        return 0
+    return math.prod(_int(s, sizes) for s in value.shape) * value.element_size()
 
 
 def _output_nodes(gm: fx.GraphModule) -> list[Any]:

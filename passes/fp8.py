@@ -161,6 +161,12 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
                  "kpt_compiler.release_weights(model)")
     if n_released:
         ctx.count("released_weights", n_released)
+    plan = gm.meta.get("kpt_bucketing")
+    if changed and plan is not None and _granularity(recipe) == "tensorwise":
+        # one scale per activation tensor: its amax would read the padded rows
+        plan.withdrawn = ("the fp8 pass scales each activation tensorwise, by an amax over every row, padded ones "
+                          "included; granularity='rowwise' keeps rows apart")
+        ctx.note(f"bucketing withdrawn: {plan.withdrawn}")
     return changed
 
 

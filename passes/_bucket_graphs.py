@@ -1,0 +1,164 @@
+"""CUDA graphs per bucket for a bucketed graph: one ``torch.cuda.CUDAGraph`` per bucket, one memory pool for all.
+
+Why not Inductor's cudagraph trees here (the cudagraphs pass uses them for graphs of one shape): a bucketed graph
+meets several sizes through one compiled callable, and trees capture every size it meets or none. Per bucket is
+what pays: a small bucket's kernels take less time than launching them, a large one's do not, and every capture
+holds memory. So this records a graph only for the buckets where the cost model says launches dominate, until a
+memory cap, and says in the report what each capture holds; other buckets run the compiled code as it is.
+
+Per bucket: the first call runs the compiled code (Triton compiles and tunes its kernels for those sizes), the
+second captures it (``torch.cuda.graph`` into the shared pool, warmed up on a side stream first) and replays it;
+later calls replay. Inputs: the padded ones go into static buffers owned by the capture (zeroed, then the real
+part copied in), others are read where they are (parameters and buffers) when their address is the one captured,
+or copied into a static buffer when it changes from call to call (a new tensor each time); a static input met at
+another address runs uncaptured. Outputs are copied out after each replay: graphs share the pool, and a later
+replay of another bucket may write where this one's outputs were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["BucketGraphs", "CaptureSettings"]
+
+
+@dataclasses.dataclass
+class CaptureSettings:
+    """What the cudagraphs pass decided for a bucketed graph (passes/cudagraphs.py)."""
+
+    decide: str  # "auto": per bucket, by the estimate; "always": every bucket until the cap
+    launch_bound_ms: float
+    max_pool_mb: float | None
+    estimate_ms: Callable[[dict], float | None]  # the bucket's estimated device time (None: no estimate)
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: Any
+    static_args: list[Any]
+    buffers: dict[int, torch.Tensor]  # argument -> the static buffer it is copied into
+    in_place: dict[int, int]  # argument -> the address captured (read where it is)
+    outputs: Any
+    pool_mb: float
+
+
+class BucketGraphs:
+    def __init__(self, settings: CaptureSettings, mutated_inputs: bool):
+        self.settings = settings
+        self.mutated_inputs = mutated_inputs
+        self.pool = None
+        self.graphs: dict[tuple, _Captured] = {}
+        self.declined: dict[tuple, str] = {}
+        self.calls: dict[tuple, int] = {}
+        self.last_ptrs: dict[tuple, list[int]] = {}
+        self.pool_mb = 0.0
+        self.notes: list[str] | None = None
+
+    def note(self, message: str) -> None:
+        if self.notes is not None:
+            self.notes.append(message)
+
+    def run(self, key: tuple, compiled: Callable, args: Sequence[Any], padded_args: list[int],
+            padded_shapes: dict[int, tuple], sizes: dict) -> Any | None:
+        """The outputs of ``compiled`` on ``args`` padded to this bucket, from its CUDA graph (in the shared pool:
+        copy them out before the next replay); None where the bucket runs without one (the caller then pads and
+        calls ``compiled`` itself)."""
+        cap = self.graphs.get(key)
+        if cap is not None:
+            return self._replay(cap, args, padded_args)
+        if key in self.declined:
+            return None
+        n = self.calls[key] = self.calls.get(key, 0) + 1
+        ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else 0 for a in args]
+        previous, self.last_ptrs[key] = self.last_ptrs.get(key), ptrs
+        if n < 2:
+            return None  # the first call compiles the kernels for these sizes
+        why = self._why_not(key, sizes)
+        if why:
+            self.declined[key] = why
+            self.note(f"bucket {_label(sizes)}: not captured: {why}")
+            return None
+        stable = {i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in padded_args
+                  and (isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None)
+                       or previous is not None and previous[i] == ptrs[i])}
+        cap = self._capture(compiled, args, padded_args, padded_shapes, stable)
+        if cap is None:
+            return None
+        self.graphs[key] = cap
+        self.pool_mb += cap.pool_mb
+        self.note(f"bucket {_label(sizes)}: captured ({cap.pool_mb:.1f} MiB more in the graphs' pool, "
+                  f"{self.pool_mb:.1f} MiB in all)")
+        if self.settings.max_pool_mb is not None and self.pool_mb > self.settings.max_pool_mb:
+            del self.graphs[key]
+            self.pool_mb -= cap.pool_mb
+            self.declined[key] = f"the pool would hold {self.pool_mb + cap.pool_mb:.0f} MiB, over max_pool_mb"
+            self.note(f"bucket {_label(sizes)}: capture released: {self.declined[key]}")
+            return None
+        return self._replay(cap, args, padded_args)
+
+    def _why_not(self, key: tuple, sizes: dict) -> str | None:
+        if self.mutated_inputs:
+            return "the graph writes into an input (a capture would write into its own copy)"
+        if self.settings.max_pool_mb is not None and self.pool_mb >= self.settings.max_pool_mb:
+            return f"the graphs' pool holds {self.pool_mb:.0f} MiB, max_pool_mb={self.settings.max_pool_mb}"
+        if self.settings.decide == "auto":
+            ms = self.settings.estimate_ms(sizes)
+            if ms is None:
+                return "no estimate of its device time on this card; decide='always' captures anyway"
+            if ms >= self.settings.launch_bound_ms:
+                return (f"estimated {ms:.3f} ms on the device, not under launch_bound_ms="
+                        f"{self.settings.launch_bound_ms}: launches do not dominate")
+        return None
+
+    def _capture(self, compiled, args, padded_args, padded_shapes, stable) -> _Captured | None:
+        buffers, static_args, in_place = {}, list(args), {}
+        for i, a in enumerate(args):
+            if i in padded_args:
+                buffers[i] = torch.zeros(padded_shapes[i], dtype=a.dtype, device=a.device)
+            elif isinstance(a, torch.Tensor) and i not in stable:
+                buffers[i] = a.clone()
+            elif isinstance(a, torch.Tensor):
+                in_place[i] = a.data_ptr()
+            if i in buffers:
+                static_args[i] = buffers[i]
+        _fill(buffers, args, padded_args)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            compiled(*static_args)  # warm-up on a side stream, as torch.cuda.graphs asks
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = compiled(*static_args)
+        torch.cuda.synchronize()
+        grown = (torch.cuda.memory_reserved() - before) / 2**20
+        return _Captured(graph, static_args, buffers, in_place, outputs, max(grown, 0.0))
+
+    def _replay(self, cap: _Captured, args, padded_args) -> Any | None:
+        for i, ptr in cap.in_place.items():
+            if args[i].data_ptr() != ptr:
+                return None  # a static input moved: run uncaptured
+        _fill(cap.buffers, args, padded_args)
+        cap.graph.replay()
+        return cap.outputs  # in the pool: the caller slices them and copies them out
+
+
+def _fill(buffers: dict[int, torch.Tensor], args: Sequence[Any], padded_args: list[int]) -> None:
+    for i, buf in buffers.items():
+        a = args[i]
+        if i in padded_args:
+            buf.zero_()
+            buf[tuple(slice(0, s) for s in a.shape)].copy_(a)
+        else:
+            buf.copy_(a)
+
+
+def _label(sizes: dict) -> str:
+    return ", ".join(f"{s}={v}" for s, v in sizes.items())
