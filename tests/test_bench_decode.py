@@ -1,0 +1,56 @@
+"""benchmarks/bench_decode.py on the CPU: a tiny Llama decoded with a static cache, eager and kpt modes."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from benchmarks import bench_decode  # noqa: E402
+
+
+def _rows(out):
+    with open(os.path.join(out, "bench_decode.json")) as f:
+        record = json.load(f)
+    assert os.path.isfile(os.path.join(out, "bench_decode.md"))
+    return record, {r["mode"]: r for r in record["rows"]}
+
+
+def test_tiny_decode_on_cpu(tmp_path):
+    out = str(tmp_path)
+    assert bench_decode.main(["--device", "cpu", "--tiny", "--modes", "eager,kpt,kpt[no-cudagraphs],inductor-ro",
+                              "--out", out]) == 0
+    record, rows = _rows(out)
+    assert list(rows) == ["eager", "kpt", "kpt[no-cudagraphs]", "inductor-ro"]
+    assert record["reference"] == "kpt[no-cudagraphs]" and record["new_tokens"] == 8
+    assert rows["inductor-ro"]["status"] == "skipped: needs CUDA"
+    for mode in ("eager", "kpt", "kpt[no-cudagraphs]"):
+        row = rows[mode]
+        assert row["status"] == "ok", row["status"]
+        assert isinstance(row["ms_per_token"], float) and row["ms_per_token"] > 0
+        assert len(row["tokens"]) == 8
+        assert row["vs_reference"] == "identical" and row["vs_eager"] == "identical"
+    assert rows["kpt"]["compile_kwargs"]["options"] == {"codegen": "eager"}
+    graphs = rows["kpt"]["graphs"]
+    assert len(graphs) == 2  # the prefill and the decode step
+    assert all(g["cudagraphs"] == "skipped" and not g["captured"] for g in graphs)
+    assert all(g["cudagraphs"] == "disabled" for g in rows["kpt[no-cudagraphs]"]["graphs"])
+
+
+def test_a_failing_mode_is_a_row(tmp_path, monkeypatch):
+    real = bench_decode.run_mode
+
+    def run_mode(model, forward, ids, mode, *args):
+        if mode == "kpt":
+            raise RuntimeError("boom")
+        return real(model, forward, ids, mode, *args)
+
+    monkeypatch.setattr(bench_decode, "run_mode", run_mode)
+    out = str(tmp_path)
+    bench_decode.main(["--device", "cpu", "--tiny", "--modes", "kpt,eager", "--repeats", "2", "--new-tokens", "4",
+                       "--reference", "eager", "--out", out])
+    _, rows = _rows(out)
+    assert rows["kpt"]["status"] == "error: RuntimeError: boom"
+    assert rows["kpt"]["vs_eager"] == "-"
+    assert rows["eager"]["status"] == "ok" and rows["eager"]["vs_reference"] == "identical"
