@@ -20,4 +20,6 @@ OPTION_SETS: dict[str, dict] = {
     "fp8-rowwise-static": {"fp8": {"granularity": "rowwise", "static_weights": True}},
     "fusion-always": {"fusion": {"decide": "always"}},  # every fusion taken: checks the cost model's refusals
     "fusion-measure": {"fusion": {"decide": "measure"}},  # decisions timed on the device at compile time
+    "bucketing": {"bucketing": True},  # varying sizes padded to a few buckets: fewer graphs for a stream of sizes
+    "bucketing+cudagraphs": {"bucketing": True, "cudagraphs": True},  # the buckets captured as CUDA graphs
 }

@@ -194,14 +194,30 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
     ladder = "powers of two" if plan.buckets is None else f"buckets {list(plan.buckets)}"
     ctx.note(f"padded to {ladder}: {why}")
     ctx.wrap_each_call(plan.wrap)
+    ctx.during_aot(_no_size_range_guards)
+    guards_before = len(plan.shape_env.guards) if plan.shape_env is not None else 0
 
     def keep_notes(notes: list[str]) -> None:
         plan.notes = notes
         if plan.withdrawn:
             notes.append(f"withdrawn: {plan.withdrawn}")
+        added = [str(g.expr) for g in (plan.shape_env.guards[guards_before:] if plan.shape_env is not None else [])
+                 if g.expr.free_symbols & set(plan.symbols)]
+        if added:  # Dynamo checks them on the real sizes: a call outside them compiles another graph
+            notes.append(f"the compile guarded the padded sizes ({'; '.join(added[:4])}): calls outside these "
+                         "recompile, and buckets outside them run unpadded")
 
     ctx.note_after_compile(keep_notes)
     return True  # applied: the graph is the same; the compiled callable gets the padding around it
+
+
+def _no_size_range_guards():
+    """Inductor settings for a bucketed compile: its mm padding asks ``K > M`` of the dynamic sizes before it
+    looks at the card, which guards the graph to one side of that size (GPT-2's 768 rows); Dynamo then compiles
+    another graph for calls on the other side. The padding it would add is for GPUs before Hopper."""
+    from torch._inductor import config
+
+    return config.patch(shape_padding=False)
 
 
 def make_plan(gm: fx.GraphModule, ctx: PassContext) -> tuple[Plan | None, str]:

@@ -1,0 +1,242 @@
+"""The padding proof's rules, op by op (passes/_padding_proof.py says what they prove and why)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ._padding_proof import AV, NEG, _dim, _is_neg, _Prover, _syms
+
+aten = torch.ops.aten
+
+RULES: dict[Any, Any] = {}
+
+
+def _rule(*ops):
+    def register(fn):
+        for op in ops:
+            RULES[op] = fn
+        return fn
+
+    return register
+
+
+_POINTWISE_BINARY = [aten.add, aten.sub, aten.mul, aten.div, aten.rsub, aten.pow, aten.maximum, aten.minimum,
+                     aten.eq, aten.ne, aten.le, aten.lt, aten.ge, aten.gt, aten.bitwise_and, aten.bitwise_or,
+                     aten.logical_and, aten.logical_or, aten.bitwise_xor, aten.where, aten.masked_fill,
+                     aten.fmod, aten.remainder, aten.atan2, aten.copysign, aten.floor_divide, aten.clamp,
+                     aten.clamp_min, aten.clamp_max, aten.lerp, aten.addcmul, aten.addcdiv]
+_POINTWISE_UNARY = [aten.neg, aten.exp, aten.log, aten.sqrt, aten.rsqrt, aten.tanh, aten.sigmoid, aten.sin,
+                    aten.cos, aten.relu, aten.gelu, aten.silu, aten.abs, aten.reciprocal, aten.erf, aten.log1p,
+                    aten.expm1, aten.bitwise_not, aten.logical_not, aten._to_copy, aten.clone, aten.detach,
+                    aten.alias, aten.lift_fresh_copy, aten.hardtanh, aten.leaky_relu, aten.elu, aten.softplus,
+                    aten.mish, aten.hardswish, aten.hardsigmoid, aten.sign, aten.floor, aten.ceil, aten.round,
+                    aten.trunc, aten.square, aten.isnan, aten.isinf, aten.nan_to_num, aten.tan, aten.atan,
+                    aten.contiguous, aten.type_as, aten.to, aten.gelu_, aten.dropout]
+_NEUTRAL = {"sum": 0, "max": NEG, "any": False}
+
+
+def _broadcast_value(p: _Prover, a: Any, out_ndim: int, d: int, shape: tuple) -> Any:
+    """The value operand ``a`` has where out dim ``d`` is padded and the others real: a constant, or
+    "?" (unknown, finite: a real value, or a padded one not known)."""
+    if not isinstance(a, fx.Node):
+        return a if isinstance(a, (bool, int, float)) else "?"
+    av = p.av(a)
+    if av is None:
+        return "?"
+    if av.const is not None:
+        return av.const
+    ad = d - (out_ndim - len(av.shape))
+    if ad < 0 or not _syms(av.shape[ad], p.padded):
+        return "?"  # broadcast along d, or not padded there: a real value
+    return av.fill.get(ad, "?")
+
+
+def _combine(op, values: list[Any], kwargs: dict | None = None) -> Any:
+    """A pointwise op's value at one region from its operands' values there (constants or "?")."""
+    if all(v != "?" for v in values):
+        kwargs = {k: v for k, v in (kwargs or {}).items() if k == "dtype"}
+        try:
+            with torch._subclasses.fake_tensor.unset_fake_temporarily():
+                r = op(*[torch.tensor(v) if isinstance(v, (bool, int, float)) else v for v in values], **kwargs)
+            return r.item() if isinstance(r, torch.Tensor) and r.numel() == 1 else "?"
+        except Exception:  # noqa: BLE001 - no constant then
+            return "?"
+    packet = op.overloadpacket
+    if packet in (aten.add,) and any(_is_neg(v) for v in values):
+        return NEG
+    if packet in (aten.sub,) and _is_neg(values[0]):
+        return NEG
+    if packet is aten.mul and any(v == 0 and not isinstance(v, bool) for v in values):
+        return 0.0
+    if packet in (aten.bitwise_and, aten.logical_and) and any(v is False or v == 0 for v in values if v != "?"):
+        return False
+    if packet in (aten.bitwise_or, aten.logical_or) and any(v is True for v in values):
+        return True
+    if packet is aten.where and values[0] != "?":
+        return values[1] if values[0] else values[2]
+    if packet is aten.masked_fill and values[1] != "?":
+        return values[2] if values[1] else values[0]
+    return "?"
+
+
+@_rule(*_POINTWISE_BINARY, *_POINTWISE_UNARY)
+def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
+    operands = [a for a in node.args] + [v for k, v in node.kwargs.items() if k in ("other", "value", "self")]
+    tensors = [a for a in operands if isinstance(a, fx.Node) and isinstance(p.av(a), AV)]
+    for a in operands:
+        p.sym_value_used(node, a, "an operand")
+    clean = all(p.av(a).clean for a in tensors)
+    out = AV(shape, clean=clean)
+    nd = len(shape)
+    for a in tensors:  # dims kept position for position keep what they were merged from
+        av = p.av(a)
+        for d, f in av.factors.items():
+            o = d + nd - len(av.shape)
+            if sympy.simplify(av.shape[d] - shape[o]) == 0:
+                out.factors.setdefault(o, f)
+    if all(p.av(a).const is not None for a in tensors) and tensors:
+        out.const = _combine(node.target, [p.av(a).const if isinstance(a, fx.Node) and p.av(a) else a
+                                           for a in node.args], node.kwargs)
+        out.const = None if out.const == "?" else out.const
+    for d, s in enumerate(shape):
+        if not _syms(s, p.padded):
+            continue
+        v = _combine(node.target, [_broadcast_value(p, a, nd, d, shape) for a in node.args], node.kwargs)
+        if v != "?":
+            out.fill[d] = v
+    # position tensors: arange + c stays a position; a comparison of two positions is a causal mask
+    packet = node.target.overloadpacket
+    if packet in (aten.add, aten.sub, aten._to_copy, aten.clone, aten.detach, aten.alias) and tensors:
+        a = p.av(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+        c = node.args[1] if len(node.args) > 1 else 0
+        if a is not None and a.pos and isinstance(c, int) and not isinstance(c, bool):
+            off = len(shape) - len(a.shape)
+            out.pos = {d + off: o + (c if packet is aten.add else -c if packet is aten.sub else 0)
+                       for d, o in a.pos.items()}
+    if packet in (aten.le, aten.lt, aten.ge, aten.gt) and len(tensors) == 2:
+        _compare_positions(p, node, out)
+    if p.av(node.args[0]) is not None and packet in (aten._to_copy, aten.clone, aten.detach, aten.alias):
+        out.concrete = p.av(node.args[0]).concrete
+    return out
+
+
+def _compare_positions(p: _Prover, node: fx.Node, out: AV) -> None:
+    a, b = p.av(node.args[0]), p.av(node.args[1])
+    nd = len(out.shape)
+    pa = {d + nd - len(a.shape): o for d, o in a.pos.items()}
+    pb = {d + nd - len(b.shape): o for d, o in b.pos.items()}
+    if len(pa) != 1 or len(pb) != 1:
+        return
+    (da, oa), (db, ob) = next(iter(pa.items())), next(iter(pb.items()))
+    if da == db or oa != ob or _syms(out.shape[da], p.padded) != _syms(out.shape[db], p.padded):
+        return
+    if sympy.simplify(out.shape[da] - out.shape[db]) != 0:
+        return
+    packet = node.target.overloadpacket
+    # where b's dim is padded and a's real: b > a
+    out.fill[db] = packet in (aten.lt, aten.le)
+    out.fill[da] = packet in (aten.gt, aten.ge)
+
+
+def _reduce_dims(node: fx.Node, ndim: int) -> list[int]:
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None or dims == []:
+        return list(range(ndim))
+    dims = [dims] if isinstance(dims, int) else dims
+    return [_dim(d, ndim) for d in dims]
+
+
+def _reduction(kind: str):
+    def rule(p: _Prover, node: fx.Node, shape: tuple) -> AV:
+        x = p.av(node.args[0])
+        pd = p.pdims(x)
+        reduced = [d for d in _reduce_dims(node, len(x.shape)) if d in pd]
+        if len(reduced) > 1:  # the fills say what sits where one dim is padded, not where several are
+            p.fail(node, f"reduces ({kind}) over several padded dims at once ({reduced})",
+                   frozenset().union(*[pd[d] for d in reduced]))
+        for d in reduced:
+            if d in pd:
+                neutral = _NEUTRAL.get(kind)
+                f = x.fill.get(d, "?")
+                ok = kind != "mean" and f != "?" and (f == neutral or kind == "max" and _is_neg(f))
+                if not ok:
+                    p.fail(node, f"reduces ({kind}) over dim {d}, which is padded and not known to hold "
+                                 f"{neutral if neutral is not None else 'nothing'} there", pd[d])
+        return AV(shape, clean=x.clean)
+
+    return rule
+
+
+RULES[aten.sum] = _reduction("sum")
+RULES[aten.mean] = _reduction("mean")
+RULES[aten.var] = _reduction("mean")
+RULES[aten.var_mean] = _reduction("mean")
+RULES[aten.amax] = _reduction("max")
+RULES[aten.amin] = _reduction("min")
+RULES[aten.any] = _reduction("any")
+RULES[aten.argmax] = _reduction("max")
+RULES[aten.logsumexp] = _reduction("max")
+
+
+@_rule(aten._softmax, aten._log_softmax, aten.softmax, aten.log_softmax)
+def _softmax(p: _Prover, node: fx.Node, shape: tuple) -> AV:
+    x = p.av(node.args[0])
+    d = _dim(node.args[1], len(shape))
+    pd = p.pdims(x)
+    out = p.keep_dims(x, shape, {o: o for o in range(len(shape)) if o != d})
+    out.pos, out.const = {}, None
+    if d in pd:
+        if not _is_neg(x.fill.get(d, "?")):
+            p.fail(node, f"softmax over dim {d}, which is padded and not masked (-inf) there", pd[d])
+        out.fill[d] = 0.0 if node.target.overloadpacket in (aten._softmax, aten.softmax) else NEG
+    return out
+
+
+@_rule(aten.cumsum, aten.cumprod)
+def _cumsum(p: _Prover, node: fx.Node, shape: tuple) -> AV:
+    x = p.av(node.args[0])  # prefix sums: a real position reads only the ones before it
+    return AV(shape, clean=x.clean)
+
+
+def _contract(p: _Prover, node: fx.Node, a: AV, b: AV, ka: int, kb: int, shape: tuple, clean: bool) -> AV:
+    s = _syms(a.shape[ka], p.padded) | _syms(b.shape[kb], p.padded)
+    if s and not (a.fill.get(ka) == 0 or b.fill.get(kb) == 0):
+        p.fail(node, "a matrix product sums over a padded dim that is not known to be zero on either side", s)
+    out = AV(shape, clean=clean and a.clean and b.clean)
+    for d in range(len(shape) - 1):  # batch and rows come from a; the last dim from b
+        if d in a.factors and d < len(a.shape) - 1:
+            out.factors[d] = a.factors[d]
+    if len(b.shape) - 1 in b.factors:
+        out.factors[len(shape) - 1] = b.factors[len(b.shape) - 1]
+    return out
+
+
+@_rule(aten.mm, aten.bmm)
+def _mm(p: _Prover, node: fx.Node, shape: tuple) -> AV:
+    a, b = p.av(node.args[0]), p.av(node.args[1])
+    return _contract(p, node, a, b, len(a.shape) - 1, len(b.shape) - 2, shape, True)
+
+
+@_rule(aten.addmm, aten.baddbmm)
+def _addmm(p: _Prover, node: fx.Node, shape: tuple) -> AV:
+    bias, a, b = (p.av(x) for x in node.args[:3])
+    return _contract(p, node, a, b, len(a.shape) - 1, len(b.shape) - 2, shape, bias.clean)
+
+
+@_rule(aten.linear)
+def _linear(p: _Prover, node: fx.Node, shape: tuple) -> AV:
+    x, w = p.av(node.args[0]), p.av(node.args[1])
+    bias = p.av(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
+    return _contract(p, node, x, w, len(x.shape) - 1, len(w.shape) - 1, shape, bias is None or bias.clean)
+
+
+@_rule(aten.sym_size, aten.sym_stride, aten.sym_numel)
+def _sym(p, node, shape):
+    return None
+
+
+from . import _padding_views  # noqa: E402,F401  (registers the rules for views, slices and indexing)
