@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from .graph_utils import attr_of
 
-__all__ = ["kind", "arg", "example_value", "emit", "depends_on_inputs", "evaluate", "cast_dtype", "copy_meta"]
+__all__ = ["kind", "arg", "example_value", "emit", "depends_on_inputs", "evaluate", "cast_dtype", "copy_meta",
+           "add_constant"]
 
 # (kind, parameter names in order) for each spelling; methods are ("method", name).
 _SIGS: dict[Any, tuple[str, tuple[str, ...]]] = {}
@@ -218,3 +219,18 @@ def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26,
 
 def _static(t: torch.Tensor) -> bool:
     return all(isinstance(s, int) for s in t.shape)
+
+
+def add_constant(gm: fx.GraphModule, name: str, tensor: torch.Tensor, fake_mode: Any) -> fx.Node:
+    """A ``get_attr`` node reading ``tensor``, registered as a buffer of ``gm`` (a tensor a pass computed once,
+    such as a weight quantized or concatenated at compile time), with its fake value in ``fake_mode``."""
+    from torch._dynamo.source import ConstantSource
+
+    gm.register_buffer(name, tensor)
+    # AOTAutograd lifts a Dynamo graph's buffers into inputs and wants the source of each (for guards on
+    # duplicated inputs, which these are not; and to treat them as static inputs under CUDA graphs)
+    if getattr(gm, "_param_name_to_source", None) is not None:
+        gm._param_name_to_source[name] = ConstantSource(name)
+    attr = gm.graph.get_attr(name)
+    attr.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True)
+    return attr

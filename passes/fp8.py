@@ -32,7 +32,6 @@ from typing import Literal
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch._dynamo.source import ConstantSource
 
 from kpt_compiler import torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
@@ -194,17 +193,8 @@ def _emit_static(gm, node, x, b, param, recipe, transposed):
     granularity = _granularity(recipe)
     weight = _fp8_static.weight_for(param, granularity, transposed)
     fake_mode = ir.example_value(x).fake_mode
-    consts = []
-    for kind, tensor in (("w8", weight.w8), ("scale", weight.scale)):
-        name = f"_kpt_fp8_{kind}_{node.name}"
-        gm.register_buffer(name, tensor)
-        # AOTAutograd lifts a Dynamo graph's buffers into inputs and wants the source of each (for guards on
-        # duplicated inputs, which these are not; and to treat them as static inputs under CUDA graphs)
-        if getattr(gm, "_param_name_to_source", None) is not None:
-            gm._param_name_to_source[name] = ConstantSource(name)
-        attr = gm.graph.get_attr(name)
-        attr.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True)
-        consts.append(attr)
+    consts = [ir.add_constant(gm, f"_kpt_fp8_{kind}_{node.name}", tensor, fake_mode)
+              for kind, tensor in (("w8", weight.w8), ("scale", weight.scale))]
     new = ir.emit(gm.graph, _fp8_static.fp8_linear_static, (x, *consts, b), {"granularity": granularity},
                   like=node)
     w = param.detach().t() if transposed else param.detach()

@@ -8,8 +8,13 @@ After (``merged_linear``)::
 
     q, k, v = split(linear(x, cat([Wq, Wk, Wv]), cat([bq, bk, bv])), [Nq, Nk, Nv], -1)
 
-The weights are concatenated on every call (they are graph inputs), so the gain is the launches saved: on
-the H100 it is large at decode sizes and gone from 8192 rows (2026-11-26-s6-bench_dispatch-qkv*.md). Each
+In training graphs the weights are concatenated on every call (they are graph inputs that change), so the gain
+is the launches saved: on the H100 it is large at decode sizes and gone from 8192 rows
+(2026-11-26-s6-bench_dispatch-qkv*.md). In inference graphs whose weights are parameters the concatenation is
+made once, at compile time (``merged_linear_static`` reads it as a constant): decoding a 4096-wide Llama
+spent 12% of its device time concatenating q, k and v weights on every token (2026-11-26-s11-decode). Before
+each call a check sees whether a parameter changed since (``load_state_dict``, an in-place write) and
+concatenates again into the same tensor; the copy costs the weights' size once more. Each
 rewrite asks the cost model (calibration ``horizontal``, keyed by ``merged_linear``'s source). A group whose
 outputs are reshaped with ``.view`` in a way the merged output's strides cannot take is left alone. Member
 of the fusion group.
@@ -39,6 +44,52 @@ def merged_linear(x, weights, biases, widths):
     """What a group becomes (the replacement, and the source the calibration is keyed by)."""
     b = None if biases is None else torch.cat(biases, 0)
     return torch.split(F.linear(x, torch.cat(weights, 0), b), widths, -1)
+
+
+def merged_linear_static(x, weight, bias, widths):
+    """A group over weights concatenated beforehand (inference on parameters)."""
+    return torch.split(F.linear(x, weight, bias), widths, -1)
+
+
+class _Concatenated:
+    """The concatenation of some parameters, made once and made again in place when one of them changes."""
+
+    def __init__(self, params: list[torch.Tensor], indices: list[int]):
+        self.indices = indices
+        with torch.no_grad():
+            self.tensor = torch.cat([p.detach() for p in params], 0)
+        self._seen(params)
+
+    def _seen(self, params) -> None:
+        self.versions = [(p._version, p.data_ptr()) for p in params]
+
+    def refresh(self, args) -> None:
+        params = [args[i] for i in self.indices]
+        if [(p._version, p.data_ptr()) for p in params] != self.versions:
+            with torch.no_grad():
+                torch.cat([p.detach() for p in params], 0, out=self.tensor)
+            self._seen(params)
+
+
+def _static_params(ctx: PassContext, nodes: list) -> tuple[list[torch.Tensor], list[int]] | None:
+    """The parameters behind ``nodes`` (graph inputs) in an inference graph, with their input positions."""
+    if not ctx.is_inference or ctx.stage != "pre_aot":
+        return None
+    placeholders = [n for n in nodes[0].graph.nodes if n.op == "placeholder"] if nodes else []
+    params, indices = [], []
+    for n in nodes:
+        if not isinstance(n, fx.Node) or n.op != "placeholder":
+            return None
+        i = placeholders.index(n)
+        try:
+            real = ctx.example_inputs[i]
+        except (RuntimeError, IndexError):
+            return None
+        if not isinstance(real, torch.nn.Parameter) or type(real.data) is not torch.Tensor:
+            return None
+        params.append(real)
+        indices.append(i)
+    return params, indices
 
 
 def _groups(x: fx.Node) -> dict:
@@ -79,7 +130,19 @@ def _merge(gm, x, ctx, how):  # linear(x, W1), linear(x, W2), ... -> split(linea
             continue
         with gm.graph.inserting_before(first):
             biases = None if no_bias else [ir.arg(m, "bias") for m in group]
-            parts = emit(gm, merged_linear, (x, [ir.arg(m, "weight") for m in group], biases, Ns), like=first)
+            weights = [ir.arg(m, "weight") for m in group]
+            static = [_static_params(ctx, nodes) for nodes in ([weights] if no_bias else [weights, biases])]
+            if all(s is not None for s in static):
+                fake_mode = val(x).fake_mode
+                consts = []
+                for kind, (params, indices) in zip(("w", "b"), static):
+                    cat = _Concatenated(params, indices)
+                    ctx.before_each_call(cat.refresh)
+                    consts.append(ir.add_constant(gm, f"_kpt_merged_{kind}_{first.name}", cat.tensor, fake_mode))
+                parts = emit(gm, merged_linear_static, (x, consts[0], None if no_bias else consts[1], Ns), like=first)
+                ctx.count("concatenated_once")
+            else:
+                parts = emit(gm, merged_linear, (x, weights, biases, Ns), like=first)
             for i, m in enumerate(group):
                 m.replace_all_uses_with(emit(gm, operator.getitem, (parts, i), like=m))
         ctx.count()

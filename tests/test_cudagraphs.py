@@ -168,3 +168,23 @@ def test_inductors_refusals_are_heard_until_the_first_call_and_land_in_the_notes
     listener.stop()  # the first call is over
     log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to another graph's reason")
     assert notes == ["Inductor declined the capture: skipping cudagraphs due to mutated inputs (1 instances)"]
+
+
+def test_auto_captures_a_graph_over_the_bound_whose_launches_take_longer_still():
+    # a decoding step: 400 layers of a 2048x2048 bf16 weight at one row read 3.2 GB (over 1 ms on the H100)
+    # but launch 400 kernels, longer on the host: capture pays (meta tensors: shapes only)
+    def step(x, ws):
+        for w in ws:
+            x = torch.nn.functional.linear(x, w)
+        return x
+
+    ws = [torch.empty(2048, 2048, dtype=torch.bfloat16, device="meta") for _ in range(400)]
+    gm = _graph(step, torch.empty(1, 2048, dtype=torch.bfloat16, device="meta"), ws)
+    ctx = _ctx()
+    assert cg._too_big(gm, ctx, None) is None
+    assert "not under launch_bound_ms" not in ctx.notes[-1] and "400 kernels" in ctx.notes[-1], ctx.notes
+    wide = 1 << 19
+    few = _graph(step, torch.empty(1, 2048, dtype=torch.bfloat16, device="meta"),
+                 [torch.empty(wide, 2048, dtype=torch.bfloat16, device="meta"),
+                  torch.empty(2048, wide, dtype=torch.bfloat16, device="meta")])
+    assert "launches do not dominate" in cg._too_big(few, _ctx(), None)  # 2 kernels, 4 GB: the device bounds

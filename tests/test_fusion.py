@@ -361,3 +361,24 @@ def test_merging_linears_runs_no_kernel_of_ours_and_says_nothing_of_one(monkeypa
     _compile(qkv, {"attention": False, **ALWAYS})(_randn(M, K), _randn(N, K, seed=1), _randn(N, K, seed=2))
     rec = kpt_compiler.last_report().pass_record("merge-parallel-linears")
     assert rec.matches == 1 and not [n for n in rec.notes if "eager reference" in n], rec.notes
+
+
+def test_inference_concatenates_parameters_once_and_again_when_one_changes():
+    class Qkv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(32, n, bias=False) for n in (32, 16, 16))
+
+        def forward(self, x):
+            return self.q(x).sum(-1) + self.k(x).sum(-1) * self.v(x).sum(-1)
+
+    torch._dynamo.reset()
+    model, x = Qkv().eval(), torch.randn(4, 32)
+    fn = torch.compile(model, backend="kernelpytorch",
+                       options={"codegen": "eager", "fusion": {"decide": "always"}, "attention": False})
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x), model(x))
+        rec = kpt_compiler.last_report().pass_record("merge-parallel-linears")
+        assert rec.stats.get("concatenated_once") == 1, rec
+        model.k.weight.mul_(2)  # an in-place write: the next call concatenates again
+        torch.testing.assert_close(fn(x), model(x))
