@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from .graph_utils import attr_of
 
 __all__ = ["kind", "arg", "example_value", "emit", "depends_on_inputs", "evaluate", "cast_dtype", "copy_meta",
-           "add_constant"]
+           "add_constant", "hints_only"]
 
 # (kind, parameter names in order) for each spelling; methods are ("method", name).
 _SIGS: dict[Any, tuple[str, tuple[str, ...]]] = {}
@@ -234,3 +234,24 @@ def add_constant(gm: fx.GraphModule, name: str, tensor: torch.Tensor, fake_mode:
     attr = gm.graph.get_attr(name)
     attr.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True)
     return attr
+
+
+def hints_only(*nodes: Any):
+    """A context in which the dynamic sizes of ``nodes``' values read as the sizes Dynamo saw (their hints)
+    without guarding them: for a cost decision on a dynamic graph. Without it, ``int(size)`` or a tensor made
+    at those sizes specializes the graph to them, and Dynamo compiles another graph for every new size (the
+    attention pass's gate did that to GPT-2 in a stream of sizes on the H100, 2026-11-26). Only for decisions
+    that hold at every size: a rewrite's correctness must not rest on what is read here."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    envs = {}
+    for node in nodes:
+        v = example_value(node)
+        sizes = list(v.shape) if isinstance(v, torch.Tensor) else [v]
+        for s in sizes:
+            if isinstance(s, torch.SymInt):
+                envs[id(s.node.shape_env)] = s.node.shape_env
+    for env in envs.values():
+        stack.enter_context(env.suppress_guards())
+    return stack

@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["BucketGraphs", "CaptureSettings"]
+__all__ = ["BucketGraphs", "CaptureSettings", "per_bucket", "own_capture"]
 
 
 @dataclasses.dataclass
@@ -46,15 +46,19 @@ class _Captured:
 
 
 class BucketGraphs:
-    def __init__(self, settings: CaptureSettings, mutated_inputs: bool):
+    def __init__(self, settings: CaptureSettings, mutated_inputs: bool, mutated: frozenset[int] | None = None):
         self.settings = settings
-        self.mutated_inputs = mutated_inputs
+        # mutated: the arguments the graph writes into, read in place (a capture replays the write into them; a
+        # new address is a new capture); None when they are not known (then a graph that mutates is not captured)
+        self.mutated_inputs = mutated_inputs and mutated is None
+        self.mutated = mutated or frozenset()
         self.pool = None
         self.graphs: dict[tuple, _Captured] = {}
         self.declined: dict[tuple, str] = {}
         self.calls: dict[tuple, int] = {}
         self.last_ptrs: dict[tuple, list[int]] = {}
         self.pool_mb = 0.0
+        self.recaptures = 0
         self.notes: list[str] | None = None
 
     def note(self, message: str) -> None:
@@ -68,7 +72,12 @@ class BucketGraphs:
         calls ``compiled`` itself)."""
         cap = self.graphs.get(key)
         if cap is not None:
-            return self._replay(cap, args, padded_args)
+            if any(args[i].data_ptr() != cap.in_place[i] for i in self.mutated):
+                del self.graphs[key]  # a written input moved (a new cache per generate() call): capture again
+                self.pool_mb -= cap.pool_mb
+                self.recaptures += 1
+            else:
+                return self._replay(cap, args, padded_args)
         if key in self.declined:
             return None
         n = self.calls[key] = self.calls.get(key, 0) + 1
@@ -83,12 +92,14 @@ class BucketGraphs:
             return None
         stable = {i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in padded_args
                   and (isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None)
-                       or previous is not None and previous[i] == ptrs[i])}
+                       or previous is not None and previous[i] == ptrs[i] or i in self.mutated)}
         cap = self._capture(compiled, args, padded_args, padded_shapes, stable)
         if cap is None:
             return None
         self.graphs[key] = cap
         self.pool_mb += cap.pool_mb
+        if self.recaptures:
+            return self._replay(cap, args, padded_args)  # captured again for moved inputs: no note each time
         self.note(f"bucket {_label(sizes)}: captured ({cap.pool_mb:.1f} MiB more in the graphs' pool, "
                   f"{self.pool_mb:.1f} MiB in all)")
         if self.settings.max_pool_mb is not None and self.pool_mb > self.settings.max_pool_mb:
@@ -161,4 +172,57 @@ def _fill(buffers: dict[int, torch.Tensor], args: Sequence[Any], padded_args: li
 
 
 def _label(sizes: dict) -> str:
-    return ", ".join(f"{s}={v}" for s, v in sizes.items())
+    return ", ".join(f"{s}={v}" for s, v in sizes.items()) or "(one shape)"
+
+
+def per_bucket(gm, ctx, plan, estimate: Callable) -> bool:
+    """A bucketed graph: one CUDA graph per bucket where it pays (passes/_bucket_graphs.py), not Inductor's trees,
+    which would capture every size or none."""
+    cal = ctx.cost_model.calibration if ctx.cost_model is not None else None
+    ceilings = cal.ceilings if cal is not None else None
+
+    def estimate_ms(sizes: dict) -> float | None:
+        if not ceilings or not ceilings.get("tflops") or not ceilings.get("copy_tbps"):
+            return None
+        flops, written, params = estimate(gm, sizes)
+        return max(flops / (ceilings["tflops"] * 1e9) + (2 * written + params) / (ceilings["copy_tbps"] * 1e9),
+                   ceilings.get("kernel_floor_us", 0.0) / 1e3)
+
+    graphs = BucketGraphs(CaptureSettings(ctx.options.decide, ctx.options.launch_bound_ms, ctx.options.max_pool_mb,
+                                          estimate_ms), plan.mutated_inputs)
+    plan.graphs = graphs
+
+    def take_notes(notes: list[str]) -> None:
+        graphs.notes = notes
+
+    ctx.note_after_compile(take_notes)
+    ctx.count("captured")
+    cap = "no cap" if ctx.options.max_pool_mb is None else f"max_pool_mb={ctx.options.max_pool_mb}"
+    ctx.note(f"bucketed graph: one CUDA graph per bucket, captured at its second call where "
+             f"{'launches dominate (decide=auto)' if ctx.options.decide == 'auto' else 'safe (decide=always)'}, "
+             f"one memory pool for all ({cap}); outputs copied out after each replay")
+    return True
+
+
+def own_capture(ctx, mutated: frozenset[int]) -> bool:
+    """A graph that writes into its inputs (a static KV cache): Inductor's trees decline it unless those inputs
+    are marked static, so it is captured here (passes/_bucket_graphs.py, as one bucket): the written inputs are
+    read and written in place, a new address of one of them (a new cache per ``generate()``) captures again."""
+    graphs = BucketGraphs(CaptureSettings("always", ctx.options.launch_bound_ms, ctx.options.max_pool_mb,
+                                          lambda sizes: None), True, mutated)
+
+    def wrap(compiled):
+        def call(*args):
+            out = graphs.run((), compiled, args, [], {}, {})
+            if out is None:
+                return compiled(*args)
+            return type(out)(o.clone() if isinstance(o, torch.Tensor) else o for o in out) \
+                if isinstance(out, (list, tuple)) else out.clone()
+        return call
+
+    ctx.wrap_each_call(wrap)
+    ctx.note_after_compile(lambda notes: setattr(graphs, "notes", notes))
+    ctx.count("captured")
+    ctx.note(f"captured as a CUDA graph of ours (it writes into {len(mutated)} inputs, which Inductor's trees "
+             "decline): written inputs read in place, captured again when one moves; outputs copied out")
+    return True

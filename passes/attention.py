@@ -219,7 +219,8 @@ def _gated_sdpa(run: _Run, at: fx.Node, planned: Call, original: Call | None,
     graph, ctx = run.gm.graph, run.ctx
     if planned.mask is not None:
         planned.mask = _dense_last_dim(run, planned.mask)
-    d = gate.decide(ctx, run.how, planned, original, run.order)
+    with ir.hints_only(planned.q, planned.k, planned.v):  # a decision at the sizes seen; the rewrite fits all
+        d = gate.decide(ctx, run.how, planned, original, run.order)
     if not d.rewrite:
         for node in reversed([n for n in graph.nodes if n not in before]):
             if not node.users:

@@ -42,6 +42,8 @@ import torch.fx as fx
 from kpt_compiler import torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
+from ._bucket_graphs import own_capture, per_bucket
+
 # CUDA graphs pay where launches dominate: under 1 ms of estimated device time a transformer's 50-300 kernels
 # cost the host as much as the device or more (GPT-2 1x64 and the 8-layer Llama at 1x128 gain 3.5-3.9x with
 # graphs on the H100, 2026-11-25-full.md); above it the saving shrinks and the output copy grows
@@ -88,13 +90,16 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
         return False
     plan = _bucketing_plan(gm)
     if plan is not None:
-        return _per_bucket(gm, ctx, plan)
+        return per_bucket(gm, ctx, plan, estimate)
     keep = _outputs_in_pool(gm) if ctx.options.copy_outputs else None
     if ctx.options.decide == "auto":
         why = _too_big(gm, ctx, keep)
         if why:
             ctx.note(f"not captured: {why}")
             return False
+    mutated = _mutated_inputs(gm)
+    if mutated:
+        return own_capture(ctx, mutated)
     # Inductor's refusals come in its log, at compile time or at the first call (cudagraph trees check the
     # inputs when they record): listened to until the first call is over, then put in this pass's notes
     listener = _SkipLog()
@@ -156,35 +161,22 @@ def _bucketing_plan(gm: fx.GraphModule):
     return plan if plan is not None and not plan.withdrawn else None
 
 
-def _per_bucket(gm: fx.GraphModule, ctx: PassContext, plan) -> bool:
-    """A bucketed graph: one CUDA graph per bucket where it pays (passes/_bucket_graphs.py), not Inductor's trees,
-    which would capture every size or none."""
-    from ._bucket_graphs import BucketGraphs, CaptureSettings
-
-    cal = ctx.cost_model.calibration if ctx.cost_model is not None else None
-    ceilings = cal.ceilings if cal is not None else None
-
-    def estimate_ms(sizes: dict) -> float | None:
-        if not ceilings or not ceilings.get("tflops") or not ceilings.get("copy_tbps"):
-            return None
-        flops, written, params = estimate(gm, sizes)
-        return max(flops / (ceilings["tflops"] * 1e9) + (2 * written + params) / (ceilings["copy_tbps"] * 1e9),
-                   ceilings.get("kernel_floor_us", 0.0) / 1e3)
-
-    graphs = BucketGraphs(CaptureSettings(ctx.options.decide, ctx.options.launch_bound_ms, ctx.options.max_pool_mb,
-                                          estimate_ms), plan.mutated_inputs)
-    plan.graphs = graphs
-
-    def take_notes(notes: list[str]) -> None:
-        graphs.notes = notes
-
-    ctx.note_after_compile(take_notes)
-    ctx.count("captured")
-    cap = "no cap" if ctx.options.max_pool_mb is None else f"max_pool_mb={ctx.options.max_pool_mb}"
-    ctx.note(f"bucketed graph: one CUDA graph per bucket, captured at its second call where "
-             f"{'launches dominate (decide=auto)' if ctx.options.decide == 'auto' else 'safe (decide=always)'}, "
-             f"one memory pool for all ({cap}); outputs copied out after each replay")
-    return True
+def _mutated_inputs(gm: fx.GraphModule) -> frozenset[int]:
+    """Positions of the inputs the graph writes into in place (through views too): a static cache's update."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    written = set()
+    for node in gm.graph.nodes:
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op not in ("call_method", "call_function") or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        if not (name.endswith("_") and not name.startswith("_") or node.target is operator.setitem):
+            continue
+        base = node.args[0]
+        while base.op != "placeholder" and _is_view(base) and base.args and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+        if base.op == "placeholder":
+            written.add(placeholders.index(base))
+    return frozenset(written)
 
 
 def _too_big(gm: fx.GraphModule, ctx: PassContext, keep: frozenset[int] | None) -> str | None:

@@ -188,3 +188,15 @@ def test_auto_captures_a_graph_over_the_bound_whose_launches_take_longer_still()
                  [torch.empty(wide, 2048, dtype=torch.bfloat16, device="meta"),
                   torch.empty(2048, wide, dtype=torch.bfloat16, device="meta")])
     assert "launches do not dominate" in cg._too_big(few, _ctx(), None)  # 2 kernels, 4 GB: the device bounds
+
+
+def test_inputs_written_in_place_are_found_through_views():
+    def step(x, cache, other):
+        cache[:, :2].copy_(x)  # through a view
+        other.add_(1)
+        return cache * other
+
+    gm = _graph(step, torch.randn(4, 2), torch.zeros(4, 8), torch.ones(4, 8))
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo's order: by first use
+    assert {names[i] for i in cg._mutated_inputs(gm)} == {"l_cache_", "l_other_"}, names
+    assert not cg._mutated_inputs(_graph(lambda a, b: a + b, torch.ones(2), torch.ones(2)))

@@ -137,3 +137,24 @@ def test_without_bucketing_a_dynamic_graph_is_refused_with_the_way_out():
     report = _bucketed_calls({"cudagraphs": {"decide": "always"}}, [(3, 50), (4, 60)])
     rec = report.pass_record("cudagraphs")
     assert rec.status != "applied" and any("bucketing" in n for n in rec.notes), rec.notes
+
+
+def test_a_graph_writing_into_its_inputs_is_captured_by_us_and_the_writes_land():
+    def step(x, cache, pos):  # a static cache's update: written in place, read back
+        cache.index_copy_(0, pos, x)
+        return cache.sum(0) * 2
+
+    torch._dynamo.reset()
+    f = torch.compile(step, backend="kernelpytorch")
+    for _ in range(2):  # a second cache (a new generate() call): captured again for its address
+        cache, ref = torch.zeros(8, 16, device="cuda"), torch.zeros(8, 16, device="cuda")
+        outs = []
+        for i in range(6):
+            x, pos = torch.randn(1, 16, device="cuda"), torch.tensor([i], device="cuda")
+            outs.append(f(x, cache, pos))
+            expected = step(x, ref, pos)
+            torch.testing.assert_close(outs[-1], expected)
+        torch.testing.assert_close(cache, ref)  # every write landed in the caller's tensor
+    rec = kpt_compiler.last_report().pass_record("cudagraphs")
+    assert rec.status == "applied" and any("CUDA graph of ours" in n for n in rec.notes), rec.notes
+    assert any(": captured (" in n for n in rec.notes), rec.notes
