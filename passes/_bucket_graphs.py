@@ -142,8 +142,12 @@ class BucketGraphs:
         before = torch.cuda.memory_reserved()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        # warm-up on a side stream, as torch.cuda.graphs asks; inputs the graph writes into get copies there, or
+        # the warm-up would apply the write twice (a cache's length counter one ahead: out-of-bounds indices)
+        warm = [a.clone() if i in self.mutated else a for i, a in enumerate(static_args)]
         with torch.cuda.stream(side):
-            compiled(*static_args)  # warm-up on a side stream, as torch.cuda.graphs asks
+            compiled(*warm)
+        del warm
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

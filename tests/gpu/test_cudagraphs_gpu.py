@@ -58,20 +58,18 @@ def test_without_the_copy_each_output_is_right_until_the_next_call():
 
 
 def test_inductors_refusal_reaches_the_report():
-    def step(x, cache):  # writes into an input Inductor cannot treat as static: no capture
-        cache.add_(x)
-        return cache * 2
+    def step(x):  # a host sync inside a graph Dynamo keeps whole: Inductor refuses to capture a CPU tensor
+        return x * 2 + torch.ones(4).sum()
 
     x = torch.randn(64, device="cuda")
-    cache = torch.zeros(64, device="cuda")
     torch._dynamo.reset()
     f = torch.compile(step, backend="kernelpytorch")
     with torch.no_grad():
         for _ in range(3):
-            out = f(x, cache)
-    torch.testing.assert_close(out, 6 * x)
+            out = f(x)
+    torch.testing.assert_close(out, 2 * x + 4)
     rec = kpt_compiler.last_report().pass_record("cudagraphs")
-    assert any("Inductor declined the capture" in n and "mutat" in n for n in rec.notes), rec.notes
+    assert any("Inductor declined the capture" in n for n in rec.notes), rec.notes
 
 
 def test_a_large_graph_is_left_to_run_without_capture():
