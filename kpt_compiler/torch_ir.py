@@ -149,7 +149,11 @@ def emit(graph: fx.Graph, fn: Callable, args: tuple, kwargs: dict | None = None,
         fake_mode = next((v.fake_mode for v in map(example_value, graph.nodes)
                           if isinstance(v, torch._subclasses.FakeTensor)), None)
     fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), example_value)
-    with fake_mode if fake_mode is not None else _null():
+    # the Python dispatcher, as Dynamo traces with: without it a dynamic size read inside ``fn`` (SDPA reads
+    # q.size() on some paths) becomes an int, which specializes the graph to the sizes it was traced at
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with fake_mode if fake_mode is not None else _null(), enable_python_dispatcher():
         node.meta["example_value"] = (fake_fn or fn)(*fake_args, **fake_kwargs)
     if like is not None:
         copy_meta(like, node)

@@ -322,8 +322,13 @@ def _trace(gm: fx.GraphModule, values: list[Any]) -> fx.GraphModule:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     # the values' own mode: the tracing context may hold another one by now
+    from torch._dispatch.python import enable_python_dispatcher
+
     fake_mode = next(v.fake_mode for v in values if isinstance(v, torch._subclasses.FakeTensor))
-    with fake_mode, torch.no_grad():
+    env = _shape_env(values)
+    # the Python dispatcher, as Dynamo and AOTAutograd trace with (without it torch 2.9 reads sizes as ints and
+    # specializes the graph to them), and no guards: the proof reads the graph, the compile guards it
+    with fake_mode, torch.no_grad(), enable_python_dispatcher(), env.suppress_guards():
         return make_fx(gm, tracing_mode="real")(*values)
 
 

@@ -202,13 +202,15 @@ def test_the_ladder():
     assert [plan.bucket(n) for n in (1, 4, 5, 12, 13)] == [4, 4, 12, 12, 13]  # past the last: unpadded
 
 
-class Table(nn.Module):  # a position table of 10: Dynamo guards the length at 10 or less
+class Table(nn.Module):  # a position table of 10
     def __init__(self):
         super().__init__()
         self.pos = nn.Parameter(torch.randn(10, 16))
 
     def forward(self, x):
-        return x + self.pos[: x.shape[1]].expand(x.shape[0], -1, -1) * (x.shape[1] <= 10)
+        if x.shape[1] <= 10:  # Dynamo guards the length at 10 or less
+            return x + self.pos[: x.shape[1]].expand(x.shape[0], -1, -1)
+        return x
 
 
 def test_a_bucket_that_breaks_a_guard_runs_unpadded():
@@ -247,3 +249,20 @@ def test_a_graph_of_one_shape_compiles_at_its_second_call_and_runs_eagerly_befor
     with torch.no_grad():
         fn(x)
     assert "joint" in kpt_compiler.last_report().stages
+
+
+@pytest.mark.parametrize("options", [{}, {"bucketing": True}])
+def test_a_dynamic_graph_stays_dynamic_through_the_passes(options):
+    # a pass that reads a dynamic size as an int (a fake computation outside the Python dispatcher, a cost
+    # decision) specializes the graph: mark_dynamic then raises, and unmarked sizes recompile at every call
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    fn = torch.compile(ArangeMask(), backend="kernelpytorch", options={"codegen": "eager", **options})
+    with torch.no_grad():
+        for b, s in [(3, 5), (4, 9), (2, 7), (5, 12)]:
+            x = torch.randn(b, s, 16)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(fn(x), ArangeMask()(x))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert kpt_compiler.last_report().pass_record("attention").status == "applied"
