@@ -76,6 +76,7 @@ class Plan:
     calls: int = 0
     mutated_inputs: bool = False  # the graph writes into one of its inputs
     graphs: Any = None  # a _bucket_graphs.BucketGraphs when the cudagraphs pass captures per bucket
+    _memo: dict = dataclasses.field(default_factory=dict)  # real sizes -> what _sizes says
 
     def bucket(self, n: int) -> int:
         if self.buckets is None:
@@ -96,47 +97,61 @@ class Plan:
 
     def call(self, compiled: Callable, args: Sequence[Any]) -> Any:
         self.calls += 1
-        real = {s: _size(args, where) for s, where in self.sources.items()}
+        real = tuple(_size(args, where) for where in self.sources.values())
+        sizes = self._memo.get(real)
+        if sizes is None:  # sympy once per distinct set of sizes, not on every call
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            sizes = self._memo[real] = self._sizes(dict(zip(self.sources, real)), args)
+        key, shapes, sym_values, out_sizes = sizes
+        if key is None:  # every size a bucket already (and no graphs to replay), or a guard broken there
+            return compiled(*args)
+        new = list(args)
+        for (i, _), v in zip(self.sym_args, sym_values):
+            new[i] = v
+        if self.graphs is not None:
+            outs = self.graphs.run(key, compiled, new, list(shapes), shapes, dict(zip(self.symbols, key)))
+            if outs is not None:
+                return self._slice(outs, out_sizes, copy=True)
+        for i, shape in shapes.items():
+            t = args[i]
+            pad = [0] * (2 * t.dim())
+            for d in range(t.dim()):
+                pad[2 * (t.dim() - 1 - d) + 1] = shape[d] - t.shape[d]
+            new[i] = F.pad(t, pad) if any(pad) else t
+        return self._slice(compiled(*new), out_sizes, copy=False)
+
+    def _sizes(self, real: dict, args: Sequence[Any]) -> tuple:
+        """For one set of real sizes: (the bucket, or None to call unpadded; padded input shapes; SymInt
+        arguments; the real sizes of the outputs' padded dims)."""
         padded = dict(real)
         for s in self.symbols:
             padded[s] = self.bucket(real[s])
-        if self.graphs is None and all(padded[s] == real[s] for s in self.symbols):
-            return compiled(*args)
         key = tuple(padded[s] for s in self.symbols)
+        if self.graphs is None and all(padded[s] == real[s] for s in self.symbols):
+            return None, {}, [], []
         ok = self.seen.get(key)
         if ok is None:
             ok = self.seen[key] = _guards_hold(self.shape_env, padded)
             if self.notes is not None:
-                sizes = ", ".join(f"{s}={padded[s]}" for s in self.symbols)
-                self.notes.append(f"call {self.calls}: first call in bucket {sizes}" if ok else
-                                  f"call {self.calls}: bucket {sizes} breaks a guard the code was compiled under; "
+                label = ", ".join(f"{s}={padded[s]}" for s in self.symbols)
+                self.notes.append(f"call {self.calls}: first call in bucket {label}" if ok else
+                                  f"call {self.calls}: bucket {label} breaks a guard the code was compiled under; "
                                   "calls there run unpadded")
         if not ok:
-            return compiled(*args)
+            return None, {}, [], []
         shapes = {i: tuple(_value(e, padded) if d in dict(dims) else args[i].shape[d]
                            for d, e in enumerate(_full_dims(args[i], dims)))
                   for i, dims in self.tensors}
-        new = list(args)
-        for i, expr in self.sym_args:
-            new[i] = _value(expr, padded)
-        if self.graphs is not None:
-            outs = self.graphs.run(key, compiled, new, list(shapes), shapes, {s: padded[s] for s in self.symbols})
-            if outs is not None:
-                return self._slice(outs, real, copy=True)
-        for i in shapes:
-            t = args[i]
-            pad = [0] * (2 * t.dim())
-            for d in range(t.dim()):
-                pad[2 * (t.dim() - 1 - d) + 1] = shapes[i][d] - t.shape[d]
-            new[i] = F.pad(t, pad) if any(pad) else t
-        return self._slice(compiled(*new), real, copy=False)
+        out_sizes = [[(d, _value(expr, real)) for d, expr in dims] for _, dims in self.outputs]
+        return key, shapes, [_value(e, padded) for _, e in self.sym_args], out_sizes
 
-    def _slice(self, outs: Any, real: dict, copy: bool) -> Any:
+    def _slice(self, outs: Any, out_sizes: list, copy: bool) -> Any:
         flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-        for i, dims in self.outputs:
+        for (i, _), sizes in zip(self.outputs, out_sizes):
             o = flat[i]
-            for d, expr in dims:
-                o = o.narrow(d, 0, _value(expr, real))
+            for d, n in sizes:
+                o = o.narrow(d, 0, n)
             flat[i] = o
         if copy:  # out of the CUDA graphs' pool, which the next replay writes
             flat = [o.clone() if isinstance(o, torch.Tensor) else o for o in flat]
