@@ -179,7 +179,9 @@ def profile_decode(model, ids, top: int, wall_ms: float) -> dict:
 def table(record: dict) -> str:
     ref = record["reference"]
     lines = [f"# Decoding, {record['config_name']} Llama, batch {record['batch']}, prompt {record['prompt']}, "
-             f"{record['new_tokens']} new tokens, on {record['card']}", "", f"- command: `{record['command']}`",
+             f"{record['new_tokens']} new tokens, on {record['card']}", "",
+             f"- date: {record.get('date')}; commit: {record.get('commit')}; torch {record.get('torch')}",
+             f"- command: `{record['command']}`",
              "- ms/token: (T(new) - T(1)) / (new - 1), median over repeats [min, max]", "",
              f"| mode | compile+warmup s | ms/token | spread | tokens vs {ref} | tokens vs eager | peak GiB "
              "| captured? | status |", "|" + " --- |" * 9]
@@ -256,6 +258,9 @@ def main(argv=None) -> int:
               "attn_implementation": model.config._attn_implementation, "batch": args.batch,
               "prompt": args.prompt, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "reference": args.reference, "command": command, "rows": rows}
+    from kpt_compiler.bench import git_commit
+
+    record.update(date=str(__import__("datetime").date.today()), commit=git_commit(), torch=torch.__version__)
     text = table(record)
     print(text)
     outputs.write_bench(args.out, "bench_decode", record, text)
