@@ -28,7 +28,14 @@ The rules, each a reason the real part stays clean:
             position tensor of the same symbol; slicing from a constant start
 Anything else that touches a padded dim (an unknown op, a reduction without a neutral fill, a value computed
 from a padded size, an input mutated in place) fails the proof, and the failure names the op and the symbol.
-Values of the real computation are assumed finite (a real +inf meeting a -inf mask would give NaN unpadded too).
+Values of the real computation are assumed finite (a real +inf meeting a -inf mask would give NaN unpadded too);
+values at padded positions are followed as finite or not (zeros stay finite through sums and products, a
+reciprocal or log of them need not), and "0 * x" or "x + -inf" count only for finite x. A mask's "hidden" is
+False or -inf: a dtype's lowest value (transformers' eager masks) does not absorb a row whose every key it masks.
+A dim merged from several whose padded factor is not the outermost has its real positions scattered: only
+row-wise ops may follow it before it is split again. A module's mask buffer is read when the proof runs; each
+call checks that it did not change since (bucketing.py). The review of 2026-11-26 found fifteen ways the first
+version was wrong; tests/test_bucketing.py keeps them.
 """
 
 from __future__ import annotations
@@ -68,6 +75,10 @@ class AV:
     concrete: torch.Tensor | None = None
     # per dim merged by a reshape: the sizes it was merged from, outermost first (a split must follow them)
     factors: dict[int, tuple] = dataclasses.field(default_factory=dict)
+    # the values at padded positions are finite (zeros padded in stay finite through sums and products; a
+    # reciprocal or log of them may not): what lets "0 * x" and "x + -inf" be read as 0 and -inf there
+    finite: bool = True
+    lower: float | None = None  # a lower bound on its padded values (x * x: 0): rsqrt(mean(x * x) + eps) is finite
 
 
 def _op_name(node: fx.Node) -> str:
@@ -87,7 +98,9 @@ NEG = float("-inf")
 
 
 def _is_neg(v: Any) -> bool:
-    return isinstance(v, float) and v <= -1e30  # -inf, or a dtype's lowest value as masks use it
+    # -inf only: a dtype's lowest value (transformers' eager masks) does not absorb, and a real row whose every
+    # key it masks would average over the padded keys too
+    return isinstance(v, float) and v == NEG
 
 
 class _Prover:
@@ -106,12 +119,21 @@ class _Prover:
         raise Unprovable(node, message, symbols)
 
     def sym_value_used(self, node: fx.Node, value: Any, what: str) -> None:
-        """A SymInt (or an expression of one) given as a value, not a size: the result depends on the padded size."""
-        if isinstance(value, fx.Node) and not isinstance(value.meta.get("val"), torch.Tensor):
-            s = _syms(_expr(value.meta["val"]), self.padded) if isinstance(value.meta.get("val"), torch.SymInt) \
-                else frozenset()
+        """A symbolic int, float or bool given as a value, not a size: the result depends on the padded size."""
+        v = value.meta.get("val") if isinstance(value, fx.Node) else None
+        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            s = _syms(v.node.expr, self.padded)
             if s:
                 self.fail(node, f"{what} is computed from the padded size {', '.join(map(str, s))}", s)
+
+    def scrambled(self, av: AV, d: int) -> bool:
+        """Whether dim ``d`` merges a padded factor inside another: its real positions are not its first ones."""
+        return any(_syms(f, self.padded) for f in av.factors.get(d, ())[1:])
+
+    def in_order(self, node, av: AV, d: int, what: str) -> None:
+        if self.scrambled(av, d):
+            self.fail(node, f"{what} dim {d}, which merges padded dims ({' x '.join(map(str, av.factors[d]))}): its "
+                            "real positions are not its first ones", _syms(av.shape[d], self.padded))
 
     # ------------------------------------------------------------------ the walk
     def run(self) -> list[AV | None]:
@@ -175,7 +197,12 @@ class _Prover:
             nd = len(node.args[1])
             self.no_padded_dims(node, x, range(len(x.shape) - nd, len(x.shape)), "normalizes over")
             return [AV(s, clean=x.clean) if s is not None else None for s in shapes]
-        if name in (aten.split, aten.split_with_sizes, aten.unbind, aten.chunk):
+        if name is aten.unbind:
+            x = self.av(node.args[0])
+            dim = _dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(x.shape))
+            self.no_padded_dims(node, x, [dim], "unbinds")
+            return [self.keep_dims(x, s, {o: (o if o < dim else o + 1) for o in range(len(s))}) for s in shapes]
+        if name in (aten.split, aten.split_with_sizes, aten.chunk):
             x = self.av(node.args[0])
             dim = _dim(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), len(x.shape))
             self.no_padded_dims(node, x, [dim], "splits")
@@ -193,7 +220,7 @@ class _Prover:
 
     def keep_dims(self, x: AV, shape: tuple, mapping: dict[int, int], *, clean: bool | None = None) -> AV:
         """An AV for a result whose dim o holds x's dim mapping[o] position for position."""
-        out = AV(shape, clean=x.clean if clean is None else clean, const=x.const)
+        out = AV(shape, clean=x.clean if clean is None else clean, const=x.const, finite=x.finite, lower=x.lower)
         for o, i in mapping.items():
             if i in x.factors:
                 out.factors[o] = x.factors[i]
@@ -217,13 +244,22 @@ class _Prover:
         if args.get("dropout_p", 0.0):
             self.fail(node, "attention with dropout draws different random numbers once padded")
         kd, qd = len(k.shape) - 2, len(q.shape) - 2
+        for t, name in ((q, "query"), (k, "key")):  # the head dim: summed over, and the default scale reads it
+            hs = _syms(t.shape[-1], self.padded)
+            if hs:
+                self.fail(node, f"attention over a padded {name} head dim", hs)
+        for t in (q, k, v):
+            for d in range(len(t.shape) - 1):
+                self.in_order(node, t, d, "attention reads")
         ks = _syms(k.shape[kd], self.padded)
         if ks:
             causal = bool(args.get("is_causal", False)) and sympy.simplify(q.shape[qd] - k.shape[kd]) == 0
-            masked = mav is not None and (mav.fill.get(len(mav.shape) - 1) in (False,) or
-                                          _is_neg(mav.fill.get(len(mav.shape) - 1)))
-            if not (causal or masked):
-                self.fail(node, "attention over padded keys without a causal flag or a mask that hides them", ks)
+            fill = mav.fill.get(len(mav.shape) - 1, "?") if mav is not None else "?"
+            bool_mask = mav is not None and isinstance(mask, fx.Node) and mask.meta["val"].dtype == torch.bool
+            masked = fill is False if bool_mask else _is_neg(fill)
+            if not (causal or masked) or not (k.finite and v.finite):
+                self.fail(node, "attention over padded keys without a causal flag or a mask that hides them"
+                          + ("" if k.finite and v.finite else " (or keys and values not known finite there)"), ks)
         return AV(shape, clean=clean)
 
 
@@ -245,9 +281,13 @@ def prove(gm: fx.GraphModule, padded: frozenset, inputs: dict[str, AV]) -> list[
     """Walk ``gm`` (ATen, sizes as sympy over Dynamo's symbols); ``padded``: the symbols to pad; ``inputs``:
     what is known of each tensor placeholder (padded ones with fill zero/False). Returns the outputs' AVs, or
     raises Unprovable naming the op and symbols at fault."""
-    outs = _Prover(gm, padded, inputs).run()
+    prover = _Prover(gm, padded, inputs)
+    outs = prover.run()
     for i, o in enumerate(outs):
         if o is not None and not o.clean:
             raise Unprovable(None, f"output {i} reads padded positions")
+        for d in range(len(o.shape) if o is not None else 0):
+            if prover.scrambled(o, d):  # sliced back as a prefix, which it is not
+                raise Unprovable(None, f"output {i} merges padded dims in dim {d}", _syms(o.shape[d], padded))
     return outs
 

@@ -35,52 +35,72 @@ _POINTWISE_UNARY = [aten.neg, aten.exp, aten.log, aten.sqrt, aten.rsqrt, aten.ta
                     aten.alias, aten.lift_fresh_copy, aten.hardtanh, aten.leaky_relu, aten.elu, aten.softplus,
                     aten.mish, aten.hardswish, aten.hardsigmoid, aten.sign, aten.floor, aten.ceil, aten.round,
                     aten.trunc, aten.square, aten.isnan, aten.isinf, aten.nan_to_num, aten.tan, aten.atan,
-                    aten.contiguous, aten.type_as, aten.to, aten.gelu_, aten.dropout]
+                    aten.contiguous, aten.type_as, aten.to]
+# ops that can make a finite value infinite: their result is finite where their argument is bounded away from 0
+_UNBOUNDED = {aten.div, aten.reciprocal, aten.log, aten.log1p, aten.rsqrt, aten.sqrt, aten.pow, aten.exp,
+              aten.expm1, aten.tan, aten.atan2, aten.fmod, aten.remainder, aten.floor_divide, aten.lerp,
+              aten.addcdiv, aten.softplus}
 _NEUTRAL = {"sum": 0, "max": NEG, "any": False}
+UNKNOWN, UNBOUNDED = "?", "?inf"  # a value not known (finite), one not known to be finite
 
 
 def _broadcast_value(p: _Prover, a: Any, out_ndim: int, d: int, shape: tuple) -> Any:
-    """The value operand ``a`` has where out dim ``d`` is padded and the others real: a constant, or
-    "?" (unknown, finite: a real value, or a padded one not known)."""
+    """The value operand ``a`` has where out dim ``d`` is padded and the others real: a constant, "?"
+    (unknown and finite: a real value, or a padded one not known), or "?inf" (a padded one that may be
+    infinite)."""
     if not isinstance(a, fx.Node):
-        return a if isinstance(a, (bool, int, float)) else "?"
+        return a if isinstance(a, (bool, int, float)) else UNKNOWN
     av = p.av(a)
     if av is None:
-        return "?"
+        return UNKNOWN
     if av.const is not None:
         return av.const
     ad = d - (out_ndim - len(av.shape))
     if ad < 0 or not _syms(av.shape[ad], p.padded):
-        return "?"  # broadcast along d, or not padded there: a real value
-    return av.fill.get(ad, "?")
+        return UNKNOWN  # broadcast along d, or not padded there: a real value
+    return av.fill.get(ad, UNKNOWN if av.finite else UNBOUNDED)
 
 
-def _combine(op, values: list[Any], kwargs: dict | None = None) -> Any:
-    """A pointwise op's value at one region from its operands' values there (constants or "?")."""
-    if all(v != "?" for v in values):
-        kwargs = {k: v for k, v in (kwargs or {}).items() if k == "dtype"}
+def _combine(op, values: list[Any], kwargs: dict | None = None, dtypes: list | None = None) -> Any:
+    """A pointwise op's value at one region from its operands' values there (constants, "?" or "?inf"),
+    computed in the operands' dtypes."""
+    kwargs = dict(kwargs or {})
+    if kwargs.get("alpha", 1) != 1:
+        return UNKNOWN  # add/sub with alpha: not followed
+    if all(v not in (UNKNOWN, UNBOUNDED) for v in values):
+        kwargs = {k: v for k, v in kwargs.items() if k == "dtype"}
+        dtypes = dtypes or [None] * len(values)
         try:
             with torch._subclasses.fake_tensor.unset_fake_temporarily():
-                r = op(*[torch.tensor(v) if isinstance(v, (bool, int, float)) else v for v in values], **kwargs)
-            return r.item() if isinstance(r, torch.Tensor) and r.numel() == 1 else "?"
+                r = op(*[torch.tensor(v, dtype=dt) if isinstance(v, (bool, int, float)) else v
+                         for v, dt in zip(values, dtypes)], **kwargs)
+            return r.item() if isinstance(r, torch.Tensor) and r.numel() == 1 else UNKNOWN
         except Exception:  # noqa: BLE001 - no constant then
-            return "?"
+            return UNKNOWN
     packet = op.overloadpacket
-    if packet in (aten.add,) and any(_is_neg(v) for v in values):
+    finite = UNBOUNDED not in values  # the absorbing rules below hold for finite partners only
+    if packet in (aten.add,) and finite and any(_is_neg(v) for v in values):
         return NEG
-    if packet in (aten.sub,) and _is_neg(values[0]):
+    if packet in (aten.sub,) and finite and _is_neg(values[0]) and not any(_is_neg(v) for v in values[1:]):
         return NEG
-    if packet is aten.mul and any(v == 0 and not isinstance(v, bool) for v in values):
+    if packet is aten.mul and finite and any(v == 0 and not isinstance(v, bool) for v in values
+                                             if v not in (UNKNOWN, UNBOUNDED)):
         return 0.0
-    if packet in (aten.bitwise_and, aten.logical_and) and any(v is False or v == 0 for v in values if v != "?"):
+    if packet in (aten.bitwise_and, aten.logical_and) and any(v is False or v == 0 for v in values
+                                                               if v not in (UNKNOWN, UNBOUNDED)):
         return False
     if packet in (aten.bitwise_or, aten.logical_or) and any(v is True for v in values):
         return True
-    if packet is aten.where and values[0] != "?":
+    if packet is aten.where and values[0] not in (UNKNOWN, UNBOUNDED):
         return values[1] if values[0] else values[2]
-    if packet is aten.masked_fill and values[1] != "?":
+    if packet is aten.masked_fill and values[1] not in (UNKNOWN, UNBOUNDED):
         return values[2] if values[1] else values[0]
-    return "?"
+    return UNKNOWN
+
+
+def _dtype(a: Any) -> Any:
+    v = a.meta.get("val") if isinstance(a, fx.Node) else None
+    return v.dtype if isinstance(v, torch.Tensor) else None
 
 
 @_rule(*_POINTWISE_BINARY, *_POINTWISE_UNARY)
@@ -98,19 +118,28 @@ def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
             o = d + nd - len(av.shape)
             if sympy.simplify(av.shape[d] - shape[o]) == 0:
                 out.factors.setdefault(o, f)
+    for a in tensors:  # a partner laid out otherwise along a merged dim would meet other positions
+        av = p.av(a)
+        for o in out.factors:
+            d = o - (nd - len(av.shape))
+            if d >= 0 and av.shape[d] != 1 and av.factors.get(d) != out.factors[o] and p.scrambled(out, o):
+                p.in_order(node, out, o, "combines along")
+    dtypes = [_dtype(a) for a in node.args]
     if all(p.av(a).const is not None for a in tensors) and tensors:
         out.const = _combine(node.target, [p.av(a).const if isinstance(a, fx.Node) and p.av(a) else a
-                                           for a in node.args], node.kwargs)
-        out.const = None if out.const == "?" else out.const
+                                           for a in node.args], node.kwargs, dtypes)
+        out.const = None if out.const in (UNKNOWN, UNBOUNDED) else out.const
     for d, s in enumerate(shape):
         if not _syms(s, p.padded):
             continue
-        v = _combine(node.target, [_broadcast_value(p, a, nd, d, shape) for a in node.args], node.kwargs)
-        if v != "?":
+        v = _combine(node.target, [_broadcast_value(p, a, nd, d, shape) for a in node.args], node.kwargs, dtypes)
+        if v not in (UNKNOWN, UNBOUNDED):
             out.fill[d] = v
-    # position tensors: arange + c stays a position; a comparison of two positions is a causal mask
     packet = node.target.overloadpacket
-    if packet in (aten.add, aten.sub, aten._to_copy, aten.clone, aten.detach, aten.alias) and tensors:
+    out.finite, out.lower = _finite(p, node, packet, tensors, out)
+    # position tensors: arange + c stays a position; a comparison of two positions is a causal mask
+    if packet in (aten.add, aten.sub, aten._to_copy, aten.clone, aten.detach, aten.alias) and tensors \
+            and node.kwargs.get("alpha", 1) == 1:
         a = p.av(node.args[0]) if isinstance(node.args[0], fx.Node) else None
         c = node.args[1] if len(node.args) > 1 else 0
         if a is not None and a.pos and isinstance(c, int) and not isinstance(c, bool):
@@ -122,6 +151,37 @@ def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     if p.av(node.args[0]) is not None and packet in (aten._to_copy, aten.clone, aten.detach, aten.alias):
         out.concrete = p.av(node.args[0]).concrete
     return out
+
+
+def _finite(p: _Prover, node: fx.Node, packet, tensors: list, out: AV) -> tuple[bool, float | None]:
+    """(whether the result's padded values not in its fills are finite, a lower bound on them or None)."""
+    avs = [p.av(a) for a in tensors]
+    finite = all(a.finite for a in avs)
+    consts = [a for a in node.args[1:] if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    lower = None
+    if packet is aten.pow and consts and consts[0] == 2 or packet is aten.mul and len(node.args) == 2 \
+            and node.args[0] is node.args[1]:
+        lower = 0.0  # x * x
+    elif packet is aten.add and len(avs) == 1 and consts and avs[0].lower is not None:
+        lower = avs[0].lower + consts[0]
+    if packet in _UNBOUNDED:
+        arg = avs[0] if avs else None
+        bounded = arg is not None and arg.lower is not None and arg.lower > 0 and packet in (
+            aten.rsqrt, aten.sqrt, aten.log, aten.reciprocal)  # rsqrt(mean(x * x) + eps)
+        divisor_const = packet is aten.div and len(node.args) > 1 and isinstance(node.args[1], (int, float)) \
+            and node.args[1] != 0
+        finite = finite and (bounded or divisor_const)
+    if packet in (aten.where, aten.masked_fill):  # an infinite constant shows where the condition picks it
+        picks = [a for a in node.args[1:] if isinstance(a, float) and not torch.isfinite(torch.tensor(a))]
+        picks += [a for a in tensors[1:] if p.av(a).const is not None and isinstance(p.av(a).const, float)
+                  and not torch.isfinite(torch.tensor(p.av(a).const))]
+        if picks:  # finite where, for every padded dim, the fill is known or the condition picks the other side
+            cond = node.args[1] if packet is aten.masked_fill else node.args[0]
+            other = False if packet is aten.masked_fill else True
+            nd = len(out.shape)
+            finite = finite and all(d in out.fill or _broadcast_value(p, cond, nd, d, out.shape) is other
+                                    for d, e in enumerate(out.shape) if _syms(e, p.padded))
+    return finite, lower
 
 
 def _compare_positions(p: _Prover, node: fx.Node, out: AV) -> None:
@@ -142,6 +202,10 @@ def _compare_positions(p: _Prover, node: fx.Node, out: AV) -> None:
     out.fill[da] = packet in (aten.gt, aten.ge)
 
 
+def _dim_arg(node: fx.Node) -> Any:
+    return node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+
+
 def _reduce_dims(node: fx.Node, ndim: int) -> list[int]:
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None or dims == []:
@@ -154,7 +218,13 @@ def _reduction(kind: str):
     def rule(p: _Prover, node: fx.Node, shape: tuple) -> AV:
         x = p.av(node.args[0])
         pd = p.pdims(x)
+        if node.target.overloadpacket in (aten.argmax, aten.argmin) and _dim_arg(node) is None and \
+                any(d > 0 for d in pd):
+            p.fail(node, "an index into the flattened tensor, whose inner padded dims move the real positions",
+                   frozenset().union(*pd.values()))
         reduced = [d for d in _reduce_dims(node, len(x.shape)) if d in pd]
+        for d in reduced:
+            p.in_order(node, x, d, "reduces over")
         if len(reduced) > 1:  # the fills say what sits where one dim is padded, not where several are
             p.fail(node, f"reduces ({kind}) over several padded dims at once ({reduced})",
                    frozenset().union(*[pd[d] for d in reduced]))
@@ -166,7 +236,8 @@ def _reduction(kind: str):
                 if not ok:
                     p.fail(node, f"reduces ({kind}) over dim {d}, which is padded and not known to hold "
                                  f"{neutral if neutral is not None else 'nothing'} there", pd[d])
-        return AV(shape, clean=x.clean)
+        lower = x.lower if kind in ("sum", "mean") and x.lower is not None and x.lower >= 0 else None
+        return AV(shape, clean=x.clean, finite=x.finite, lower=lower)
 
     return rule
 
@@ -187,8 +258,9 @@ def _softmax(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     x = p.av(node.args[0])
     d = _dim(node.args[1], len(shape))
     pd = p.pdims(x)
+    p.in_order(node, x, d, "softmax over")
     out = p.keep_dims(x, shape, {o: o for o in range(len(shape)) if o != d})
-    out.pos, out.const = {}, None
+    out.pos, out.const, out.fill, out.lower = {}, None, {}, None  # along other dims: a softmax of the row
     if d in pd:
         if not _is_neg(x.fill.get(d, "?")):
             p.fail(node, f"softmax over dim {d}, which is padded and not masked (-inf) there", pd[d])
@@ -199,14 +271,20 @@ def _softmax(p: _Prover, node: fx.Node, shape: tuple) -> AV:
 @_rule(aten.cumsum, aten.cumprod)
 def _cumsum(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     x = p.av(node.args[0])  # prefix sums: a real position reads only the ones before it
-    return AV(shape, clean=x.clean)
+    p.in_order(node, x, _dim(node.args[1], len(shape)), "sums a prefix along")
+    return AV(shape, clean=x.clean, finite=x.finite and node.target.overloadpacket is aten.cumsum)
 
 
 def _contract(p: _Prover, node: fx.Node, a: AV, b: AV, ka: int, kb: int, shape: tuple, clean: bool) -> AV:
     s = _syms(a.shape[ka], p.padded) | _syms(b.shape[kb], p.padded)
-    if s and not (a.fill.get(ka) == 0 or b.fill.get(kb) == 0):
-        p.fail(node, "a matrix product sums over a padded dim that is not known to be zero on either side", s)
-    out = AV(shape, clean=clean and a.clean and b.clean)
+    # zeros on one side, finite values on the other (0 * inf is NaN)
+    if s and not (a.fill.get(ka) == 0 and b.finite or b.fill.get(kb) == 0 and a.finite):
+        p.fail(node, "a matrix product sums over a padded dim that is not known to be zero on one side and "
+                     "finite on the other", s)
+    if s:
+        p.in_order(node, a, ka, "a matrix product sums over")
+        p.in_order(node, b, kb, "a matrix product sums over")
+    out = AV(shape, clean=clean and a.clean and b.clean, finite=a.finite and b.finite)
     for d in range(len(shape) - 1):  # batch and rows come from a; the last dim from b
         if d in a.factors and d < len(a.shape) - 1:
             out.factors[d] = a.factors[d]

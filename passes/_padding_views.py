@@ -98,9 +98,12 @@ def _unsqueeze(p: _Prover, node: fx.Node, shape: tuple) -> AV:
 @_rule(aten.squeeze)
 def _squeeze(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     x = p.av(node.args[0])
-    kept = [i for i, e in enumerate(x.shape) if not (e == 1 and len(shape) < len(x.shape))]
+    named = node.args[1] if len(node.args) > 1 else None  # squeeze.dim / squeeze.dims: only those dims go
+    named = None if named is None else [_dim(d, len(x.shape)) for d in (named if isinstance(named, (list, tuple))
+                                                                          else [named])]
+    kept = [i for i, e in enumerate(x.shape) if not (e == 1 and (named is None or i in named))]
     if len(kept) != len(shape):
-        kept = [i for i, e in enumerate(x.shape) if e != 1][: len(shape)]
+        p.fail(node, f"squeeze {list(x.shape)} -> {list(shape)} not followed")
     return p.keep_dims(x, shape, dict(enumerate(kept)))
 
 
@@ -133,6 +136,7 @@ def _slice(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     out = p.keep_dims(x, shape, {d: d for d in range(n) if d != dim})
     s = _syms(x.shape[dim], p.padded)
     if s:
+        p.in_order(node, x, dim, "slices")
         # the real positions must stay first: a constant start, step 1, and an end that is a constant (a real
         # position whenever the unpadded run reached it) or the size plus a constant no larger than the input's
         if not isinstance(start, int) or start < 0 or step != 1:
@@ -152,7 +156,7 @@ def _slice(p: _Prover, node: fx.Node, shape: tuple) -> AV:
                 out.pos[dim] = x.pos[dim] + start
     elif not _syms(shape[dim], p.padded) and dim in x.pos:
         out.pos[dim] = x.pos[dim] + (start if isinstance(start, int) else 0)
-    if x.concrete is not None and start == 0:
+    if x.concrete is not None and start == 0 and step == 1:  # a top-left block of the buffer: its facts hold
         out.concrete = x.concrete
         _triangle_facts(p, out)
     return out
@@ -166,6 +170,8 @@ def _triangle_facts(p: _Prover, av: AV) -> None:
     if len(pd) != 2 or t is None or t.dim() != len(av.shape):
         return
     a, b = pd
+    if _syms(av.shape[a], p.padded) != _syms(av.shape[b], p.padded) or sympy.simplify(av.shape[a] - av.shape[b]) != 0:
+        return  # queries and keys of other lengths: the diagonal does not split real from padded
     m = t.movedim((a, b), (-2, -1))
     size = min(m.shape[-2], m.shape[-1])
     m = m[..., :size, :size]
@@ -181,6 +187,8 @@ def _select(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     x = p.av(node.args[0])
     dim, index = _dim(node.args[1], len(x.shape)), node.args[2]
     s = _syms(x.shape[dim], p.padded)
+    if s:
+        p.in_order(node, x, dim, "reads")
     if s and (not isinstance(index, int) or index < 0):
         p.fail(node, f"reads dim {dim} at {index}, which moves once padded", s)
     return p.keep_dims(x, shape, {o: (o if o < dim else o + 1) for o in range(len(shape))})
@@ -240,6 +248,7 @@ def _index(p: _Prover, node: fx.Node, shape: tuple) -> AV:
         s = _syms(x.shape[d], p.padded)
         if not s:
             continue
+        p.in_order(node, x, d, "indexes")
         # reading a padded dim: only at positions (arange of the same length) or constant indices >= 0
         ipos = {k + nd - len(iav.shape): o for k, o in iav.pos.items()}  # nd: index dims end there
         if len(ipos) == 1 and next(iter(ipos.values())) == 0:
@@ -260,10 +269,12 @@ def _cat(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     dim = _dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
     # along a padded dim, only the last part may be padded (its positions stay after every real one)
     padded_parts = [i for i, a in enumerate(parts) if _syms(a.shape[dim], p.padded)]
+    for a in parts:
+        p.in_order(node, a, dim, "concatenates along")
     if padded_parts and padded_parts != [len(parts) - 1]:
         p.fail(node, f"concatenates along dim {dim} after a padded part: the parts after it would move",
                _syms(parts[padded_parts[0]].shape[dim], p.padded))
-    out = AV(shape, clean=all(a.clean for a in parts))
+    out = AV(shape, clean=all(a.clean for a in parts), finite=all(a.finite for a in parts))
     if len(parts) == 1 or padded_parts:
         last = parts[-1]
         for d in last.fill:

@@ -77,6 +77,7 @@ class Plan:
     mutated_inputs: bool = False  # the graph writes into one of its inputs
     graphs: Any = None  # a _bucket_graphs.BucketGraphs when the cudagraphs pass captures per bucket
     _memo: dict = dataclasses.field(default_factory=dict)  # real sizes -> what _sizes says
+    watched: list = dataclasses.field(default_factory=list)  # buffers the proof read: (input, version, address)
 
     def bucket(self, n: int) -> int:
         if self.buckets is None:
@@ -97,6 +98,13 @@ class Plan:
 
     def call(self, compiled: Callable, args: Sequence[Any]) -> Any:
         self.calls += 1
+        for i, version, ptr in self.watched:
+            if args[i]._version != version or args[i].data_ptr() != ptr:  # a buffer the proof read has changed
+                if self.notes is not None and self.watched:
+                    self.notes.append(f"call {self.calls}: a buffer the proof read changed; calls run unpadded")
+                self.watched, self.withdrawn = [], "a buffer the proof read changed"
+        if self.withdrawn:
+            return compiled(*args)
         real = tuple(_size(args, where) for where in self.sources.values())
         sizes = self._memo.get(real)
         if sizes is None:  # sympy once per distinct set of sizes, not on every call
@@ -152,7 +160,8 @@ class Plan:
             o = flat[i]
             for d, n in sizes:
                 o = o.narrow(d, 0, n)
-            flat[i] = o
+            # contiguous as eager's would be (a narrowed inner dim leaves a view .view() cannot always take)
+            flat[i] = o if copy or o.is_contiguous() else o.contiguous()
         if copy:  # out of the CUDA graphs' pool, which the next replay writes
             flat = [o.clone() if isinstance(o, torch.Tensor) else o for o in flat]
         return type(outs)(flat) if isinstance(outs, (list, tuple)) else flat[0]
@@ -267,10 +276,13 @@ def make_plan(gm: fx.GraphModule, ctx: PassContext) -> tuple[Plan | None, str]:
     except Exception as e:  # noqa: BLE001 - no trace, no proof
         return None, f"the graph could not be traced to ATen for the proof ({type(e).__name__}: {str(e)[:200]})"
     refused: list[str] = []
+    watched: list = []
     padded = frozenset(candidates)
     for _ in range(MAX_SYMBOL_RETRIES):
         try:
-            outs = prove(aten_gm, padded, _input_facts(aten_gm, values, ctx.example_inputs, padded))
+            watched.clear()
+            outs = prove(aten_gm, padded, _input_facts(aten_gm, values, ctx.example_inputs, padded,
+                                                       [n.name for n in placeholders], watched))
             break
         except Unprovable as e:
             drop = e.symbols & padded or padded
@@ -293,6 +305,9 @@ def make_plan(gm: fx.GraphModule, ctx: PassContext) -> tuple[Plan | None, str]:
     )
     if plan.outputs is None:
         return None, "an output is not a tensor or size this pass can slice back"
+    if _outputs_alias_inputs(gm):
+        return None, "an output is a view of an input (padded, it would be a view of the padded copy)"
+    plan.watched = list(watched)
     proven = ", ".join(f"{candidates[s]} ({s})" for s in plan.symbols)
     why = f"proven for {proven} ({len([o for o in outs if o is not None])} outputs sliced back where padded)"
     if refused:
@@ -315,6 +330,21 @@ def _padded_placeholders(aten_gm: fx.GraphModule, values: list[Any], padded: fro
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     return [n.name for n, v in zip(placeholders, values) if isinstance(v, torch.Tensor)
             and any(_has(s, padded) for s in v.shape)]
+
+
+def _outputs_alias_inputs(gm: fx.GraphModule) -> bool:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(v):
+        try:
+            return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) else None
+        except Exception:  # noqa: BLE001 - no storage: no alias
+            return None
+
+    inputs = {storage(ir.example_value(n)) for n in gm.graph.nodes if n.op == "placeholder"} - {None}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    return any(storage(ir.example_value(o)) in inputs for o in flat if isinstance(o, fx.Node))
 
 
 def _has(size: Any, padded: frozenset) -> bool:
@@ -347,12 +377,14 @@ def _trace(gm: fx.GraphModule, values: list[Any]) -> fx.GraphModule:
         return make_fx(gm, tracing_mode="real")(*values)
 
 
-def _input_facts(aten_gm: fx.GraphModule, values: list[Any], real: Sequence[Any], padded: frozenset) -> dict[str, AV]:
-    """What the proof starts from: padded inputs hold zeros (False) where padded; a small integer or bool buffer
-    (a causal mask kept as a buffer) is known by its values."""
+def _input_facts(aten_gm: fx.GraphModule, values: list[Any], real: Sequence[Any], padded: frozenset,
+                 names: list[str] | None = None, watched: list | None = None) -> dict[str, AV]:
+    """What the proof starts from: padded inputs hold zeros (False) where padded; a module's small integer or
+    bool buffer (a causal mask kept as a buffer) is known by its values, which each call checks did not change
+    (``watched``: (input, version, address) appended for those)."""
     facts = {}
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
-    for node, v, r in zip(placeholders, values, real):
+    for i, (node, v, r) in enumerate(zip(placeholders, values, real)):
         if not isinstance(v, torch.Tensor):
             continue
         shape = tuple(s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s) for s in v.shape)
@@ -362,8 +394,11 @@ def _input_facts(aten_gm: fx.GraphModule, values: list[Any], real: Sequence[Any]
             if getattr(e, "free_symbols", set()) & padded:
                 av.fill[d] = zero  # the padding: zeros
         if (not av.fill and isinstance(r, torch.Tensor) and r.dtype in (torch.bool, torch.uint8, torch.int8)
-                and not isinstance(r, torch._subclasses.FakeTensor) and r.dim() >= 2):
+                and not isinstance(r, torch._subclasses.FakeTensor) and r.dim() >= 2
+                and names is not None and "_buffers_" in names[i]):  # Dynamo's name for a module's buffer
             av.concrete = r.detach().cpu()
+            if watched is not None:
+                watched.append((i, r._version, r.data_ptr()))
         facts[node.name] = av
     return facts
 

@@ -2,6 +2,8 @@
 the outputs equal to eager on the real part at sizes that are padded; each refusal with its reason; the ladder,
 the guards, the options. The CUDA graphs per bucket run on the GPU (tests/gpu/test_cudagraphs_gpu.py)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -138,7 +140,7 @@ def test_reading_constant_positions_is_real():
 @pytest.mark.parametrize("model, refused", [
     (lambda x: x.mean(1), "reduces (mean) over dim 1"),
     (lambda x: (x + 1).sum(1), "reduces (sum) over dim 1"),  # zeros no more: a sum of x alone would be proven
-    (lambda x: x[:, -1], "moves once padded"),
+    (lambda x: x[:, -1] * 2, "moves once padded"),
     (CausalSdpa(causal=False).eval(), "attention over padded keys"),
     (lambda x: x * x.shape[1], "computed from the padded size"),
     (lambda x: x.softmax(1), "softmax over dim 1"),
@@ -266,3 +268,20 @@ def test_a_dynamic_graph_stays_dynamic_through_the_passes(options):
             torch.testing.assert_close(fn(x), ArangeMask()(x))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert kpt_compiler.last_report().pass_record("attention").status == "applied"
+
+
+@pytest.mark.parametrize("model", [
+    lambda x: torch.softmax(x, -1).sum(1),  # a softmax's rows are not zeros where the input's were
+    lambda x: F.scaled_dot_product_attention(x[:, None], x[:, None], x[:, None], attn_mask=x[:, None, :1, :1] * 0),
+    lambda x: x.transpose(1, 2).reshape(x.shape[0], -1) * 2,  # a merge with the padded factor inside
+    lambda x: x.sum(-1) / math.sqrt(x.shape[1]),  # a float computed from the padded size
+    lambda x: torch.log(x.abs() + 1).argmax(),  # a flat index
+    lambda x: (torch.softmax(x, 1) * torch.reciprocal(x * 0)).sum(1),  # 0 * inf where the padding is
+    lambda x: torch.softmax(x + torch.where(x > 10, 0.0, torch.finfo(x.dtype).min), 1),  # lowest, not -inf
+    lambda x: (((x > 0).to(torch.uint8) - 1).float() + 1).sum(1),  # 0 - 1 wraps to 255 in uint8
+])
+def test_what_padding_would_change_is_refused(model):  # cases a review found proven before (2026-11-26)
+    rec, err = _run(model, _x, sizes=[(3, 5), (5, 6), (2, 3)])
+    assert err < 1e-4, err  # NaN fails too
+    assert rec.stats.get("padded_dims", 0) < 2, rec.notes
+    assert "dim 1" in rec.notes[0] and ("cannot prove" in rec.notes[0] or "not padded" in rec.notes[0]), rec.notes
