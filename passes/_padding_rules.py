@@ -170,7 +170,8 @@ def _finite(p: _Prover, node: fx.Node, packet, tensors: list, out: AV) -> tuple[
             aten.rsqrt, aten.sqrt, aten.log, aten.reciprocal)  # rsqrt(mean(x * x) + eps)
         divisor_const = packet is aten.div and len(node.args) > 1 and isinstance(node.args[1], (int, float)) \
             and node.args[1] != 0
-        finite = finite and (bounded or divisor_const)
+        power = packet is aten.pow and consts and consts[0] >= 0  # x ** 2: as finite as x
+        finite = finite and (bounded or divisor_const or power)
     if packet in (aten.where, aten.masked_fill):  # an infinite constant shows where the condition picks it
         picks = [a for a in node.args[1:] if isinstance(a, float) and not torch.isfinite(torch.tensor(a))]
         picks += [a for a in tensors[1:] if p.av(a).const is not None and isinstance(p.av(a).const, float)

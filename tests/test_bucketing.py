@@ -285,3 +285,15 @@ def test_what_padding_would_change_is_refused(model):  # cases a review found pr
     assert err < 1e-4, err  # NaN fails too
     assert rec.stats.get("padded_dims", 0) < 2, rec.notes
     assert "dim 1" in rec.notes[0] and ("cannot prove" in rec.notes[0] or "not padded" in rec.notes[0]), rec.notes
+
+
+class RmsCausal(nn.Module):  # Llama's norm: rsqrt(mean(x * x) + eps) stays finite at zero rows, so keys do too
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        q = h.unsqueeze(1)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True).squeeze(1)
+
+
+def test_rms_norm_keeps_padded_keys_finite_for_causal_attention():
+    rec, err = _run(RmsCausal(), _x)
+    assert rec.stats["padded_dims"] == 2 and err < 1e-5, rec.notes
