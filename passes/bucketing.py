@@ -140,7 +140,7 @@ class Plan:
             return None, {}, [], []
         ok = self.seen.get(key)
         if ok is None:
-            ok = self.seen[key] = _guards_hold(self.shape_env, padded)
+            ok = self.seen[key] = _guards_hold(self.shape_env, padded, self.symbols)
             if self.notes is not None:
                 label = ", ".join(f"{s}={padded[s]}" for s in self.symbols)
                 self.notes.append(f"call {self.calls}: first call in bucket {label}" if ok else
@@ -181,29 +181,30 @@ def _value(expr: Any, values: dict) -> int:
     return int(expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
 
 
-def _guards_hold(shape_env: Any, values: dict) -> bool:
-    """Whether the compiled code's guards and value ranges hold at these sizes (symbols it does not know: no)."""
+def _guards_hold(shape_env: Any, values: dict, padded: tuple = ()) -> bool:
+    """Whether the compiled code's guards and value ranges hold at these sizes. Guards on no padded symbol
+    held for the real call (Dynamo checked them); the others must hold here, Dynamo's replacements applied (a
+    symbol these sizes do not give: no)."""
     if shape_env is None:
         return True
     subs = {s: sympy.Integer(v) for s, v in values.items()}
-    for s, v in values.items():
+    for s in padded or values:
         vr = shape_env.var_to_range.get(s)
-        if vr is not None and not (vr.lower <= v <= vr.upper):
+        if vr is not None and not (vr.lower <= values[s] <= vr.upper):
             return False
     for guard in shape_env.guards:
-        r = guard.expr.xreplace(subs)
+        expr = shape_env.replace(guard.expr)
+        if padded and not expr.free_symbols & set(padded):
+            continue
+        r = expr.xreplace(subs)
         if r is not sympy.true and r != True:  # noqa: E712 - sympy booleans
             return False
     return True
 
 
-def _supports(target, options) -> str | None:
-    return None
-
-
 @graph_pass("bucketing", summary="inputs whose sizes vary padded to a ladder of buckets (zeros), outputs sliced "
             "back, where the graph provably keeps the padding out of the real outputs", stage="pre_aot",
-            options=BucketingOptions, default=False, statistics=("padded_dims",), supports=_supports)
+            options=BucketingOptions, default=False, statistics=("padded_dims",))
 def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
     plan, why = make_plan(gm, ctx)
     if plan is None:
@@ -236,9 +237,8 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
 
 
 def _no_size_range_guards():
-    """Inductor settings for a bucketed compile: its mm padding asks ``K > M`` of the dynamic sizes before it
-    looks at the card, which guards the graph to one side of that size (GPT-2's 768 rows); Dynamo then compiles
-    another graph for calls on the other side. The padding it would add is for GPUs before Hopper."""
+    """Inductor's mm padding off for a bucketed compile: it asks ``K > M`` of the dynamic sizes (guarding the
+    graph to one side of GPT-2's 768 rows, a recompile for the other) before it sees the card (pre-Hopper only)."""
     from torch._inductor import config
 
     return config.patch(shape_padding=False)
