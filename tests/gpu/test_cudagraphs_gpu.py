@@ -143,7 +143,7 @@ def test_a_graph_writing_into_its_inputs_is_captured_by_us_and_the_writes_land()
         return cache.sum(0) * 2
 
     torch._dynamo.reset()
-    f = torch.compile(step, backend="kernelpytorch")
+    f = torch.compile(step, backend="kernelpytorch", options={"cudagraphs": {"decide": "always"}})
     for _ in range(2):  # a second cache (a new generate() call): captured again for its address
         cache, ref = torch.zeros(8, 16, device="cuda"), torch.zeros(8, 16, device="cuda")
         outs = []
