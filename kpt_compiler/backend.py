@@ -102,10 +102,6 @@ class _Deferred:
         self.tracing = torch._guards.TracingContext.try_get()  # Dynamo's, for Inductor to find static inputs
         pm.report.notes.append(f"compile deferred to call {pm.defer_calls}: the graph runs eagerly until then")
 
-    @property
-    def ready(self) -> bool:
-        return self.compiled is not None
-
     def __call__(self, *args: Any) -> Any:
         if self.compiled is None:
             self.calls += 1
@@ -125,6 +121,8 @@ class _Deferred:
             self.pm.report.notes.append(f"compiled at call {self.calls} "
                                         f"({(time.perf_counter() - start) * 1e3:.0f} ms)")
         return self.compiled(*args)
+
+
 def _with_call_hooks(compiled: Callable, before: list[Callable], after: list[Callable]) -> Callable:
     """The compiled callable with the passes' hooks around each call (outermost: outside any CUDA graph):
     ``before`` see the arguments, ``after`` get the outputs and return what the caller receives."""

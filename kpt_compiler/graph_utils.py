@@ -237,3 +237,23 @@ def has_dynamic_sizes(gm: fx.GraphModule) -> bool:
                 isinstance(s, torch.SymInt) for s in v.shape):
             return True
     return False
+
+
+def outputs_aliasing_inputs(gm: fx.GraphModule) -> frozenset[int]:
+    """Positions of a Dynamo graph's outputs that are its inputs or views of them (by their fake values'
+    storages)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    def storage(v):
+        try:
+            return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) else None
+        except Exception:  # noqa: BLE001 - no storage (a symbolic size): no alias
+            return None
+
+    def value(n):
+        return n.meta.get("example_value", n.meta.get("val")) if isinstance(n, fx.Node) else n
+
+    inputs = {storage(value(n)) for n in gm.graph.nodes if n.op == "placeholder"} - {None}
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    flat = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    return frozenset(i for i, o in enumerate(flat) if storage(value(o)) in inputs)

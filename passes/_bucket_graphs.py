@@ -38,7 +38,6 @@ class CaptureSettings:
 @dataclasses.dataclass
 class _Captured:
     graph: Any
-    static_args: list[Any]
     buffers: dict[int, torch.Tensor]  # argument -> the static buffer it is copied into
     in_place: dict[int, int]  # argument -> the address captured (read where it is)
     outputs: Any
@@ -154,7 +153,7 @@ class BucketGraphs:
             outputs = compiled(*static_args)
         torch.cuda.synchronize()
         grown = (torch.cuda.memory_reserved() - before) / 2**20
-        return _Captured(graph, static_args, buffers, in_place, outputs, max(grown, 0.0))
+        return _Captured(graph, buffers, in_place, outputs, max(grown, 0.0))
 
     def _replay(self, cap: _Captured, args, padded_args) -> Any | None:
         for i, ptr in cap.in_place.items():
@@ -179,18 +178,16 @@ def _label(sizes: dict) -> str:
     return ", ".join(f"{s}={v}" for s, v in sizes.items()) or "(one shape)"
 
 
-def per_bucket(gm, ctx, plan, estimate: Callable) -> bool:
+def per_bucket(gm, ctx, plan, device_ms: Callable[[dict, dict], float]) -> bool:
     """A bucketed graph: one CUDA graph per bucket where it pays (passes/_bucket_graphs.py), not Inductor's trees,
-    which would capture every size or none."""
+    which would capture every size or none. ``device_ms(sizes, ceilings)``: the graph's estimated device time."""
     cal = ctx.cost_model.calibration if ctx.cost_model is not None else None
     ceilings = cal.ceilings if cal is not None else None
 
     def estimate_ms(sizes: dict) -> float | None:
         if not ceilings or not ceilings.get("tflops") or not ceilings.get("copy_tbps"):
             return None
-        flops, written, params = estimate(gm, sizes)
-        return max(flops / (ceilings["tflops"] * 1e9) + (2 * written + params) / (ceilings["copy_tbps"] * 1e9),
-                   ceilings.get("kernel_floor_us", 0.0) / 1e3)
+        return device_ms(sizes, ceilings)
 
     graphs = BucketGraphs(CaptureSettings(ctx.options.decide, ctx.options.launch_bound_ms, ctx.options.max_pool_mb,
                                           estimate_ms), plan.mutated_inputs)

@@ -305,7 +305,7 @@ def make_plan(gm: fx.GraphModule, ctx: PassContext) -> tuple[Plan | None, str]:
     )
     if plan.outputs is None:
         return None, "an output is not a tensor or size this pass can slice back"
-    if _outputs_alias_inputs(gm):
+    if graph_utils.outputs_aliasing_inputs(gm):
         return None, "an output is a view of an input (padded, it would be a view of the padded copy)"
     plan.watched = list(watched)
     proven = ", ".join(f"{candidates[s]} ({s})" for s in plan.symbols)
@@ -330,21 +330,6 @@ def _padded_placeholders(aten_gm: fx.GraphModule, values: list[Any], padded: fro
     placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
     return [n.name for n, v in zip(placeholders, values) if isinstance(v, torch.Tensor)
             and any(_has(s, padded) for s in v.shape)]
-
-
-def _outputs_alias_inputs(gm: fx.GraphModule) -> bool:
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    def storage(v):
-        try:
-            return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) else None
-        except Exception:  # noqa: BLE001 - no storage: no alias
-            return None
-
-    inputs = {storage(ir.example_value(n)) for n in gm.graph.nodes if n.op == "placeholder"} - {None}
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-    return any(storage(ir.example_value(o)) in inputs for o in flat if isinstance(o, fx.Node))
 
 
 def _has(size: Any, padded: frozenset) -> bool:

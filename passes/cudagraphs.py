@@ -90,7 +90,7 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
         return False
     plan = _bucketing_plan(gm)
     if plan is not None:
-        return per_bucket(gm, ctx, plan, estimate)
+        return per_bucket(gm, ctx, plan, lambda sizes, ceilings: roofline_ms(*estimate(gm, sizes), ceilings))
     keep = _outputs_in_pool(gm) if ctx.options.copy_outputs else None
     if ctx.options.decide == "auto":
         why = _too_big(gm, ctx, keep)
@@ -196,9 +196,7 @@ def _too_big(gm: fx.GraphModule, ctx: PassContext, keep: frozenset[int] | None) 
         return (f"its device time could not be estimated ({type(e).__name__}: {str(e)[:200]}); decide='always' "
                 "captures anyway")
     tflops, tbps = ceilings["tflops"], ceilings["copy_tbps"]
-    # at least one kernel's floor: a graph of a few bytes still launches
-    device_ms = max(flops / (tflops * 1e9) + (2 * written + params) / (tbps * 1e9),
-                    ceilings.get("kernel_floor_us", 0.0) / 1e3)
+    device_ms = roofline_ms(flops, written, params, ceilings)
     copy_ms = 2 * _output_bytes(gm, keep) / (tbps * 1e9) if keep else 0.0
     figures = (f"estimated {device_ms:.3f} ms on the device ({flops / 1e9:.1f} GFLOP at {tflops:.0f} TFLOP/s, "
                f"{(2 * written + params) / 2**20:.0f} MiB at {tbps:.1f} TB/s, {cal.card})")
@@ -211,6 +209,13 @@ def _too_big(gm: fx.GraphModule, ctx: PassContext, keep: frozenset[int] | None) 
         return f"{figures}; copying its outputs out would take {copy_ms:.3f} ms (copy_outputs=False avoids it)"
     ctx.note(f"{figures}: launches dominate")
     return None
+
+
+def roofline_ms(flops: float, written: int, params: int, ceilings: dict) -> float:
+    """A graph's device time at the card's calibrated ceilings: its FLOPs, plus the bytes it writes (and reads
+    back) and its inputs' bytes; at least one kernel's floor (a graph of a few bytes still launches)."""
+    return max(flops / (ceilings["tflops"] * 1e9) + (2 * written + params) / (ceilings["copy_tbps"] * 1e9),
+               ceilings.get("kernel_floor_us", 0.0) / 1e3)
 
 
 _HEAVY = {"matmul", "linear", "addmm", "sdpa", "softmax", "mean", "layer_norm"}
@@ -310,22 +315,11 @@ def _output_bytes(gm: fx.GraphModule, keep: frozenset[int]) -> int:
 
 def _outputs_in_pool(gm: fx.GraphModule) -> frozenset[int]:
     """Positions of the outputs a replay writes into the pool: not the inputs themselves or views of them."""
-    from torch.multiprocessing.reductions import StorageWeakRef
+    from kpt_compiler.graph_utils import outputs_aliasing_inputs
 
-    def storage(value):
-        try:
-            return StorageWeakRef(value.untyped_storage())
-        except Exception:  # noqa: BLE001 - a value without storage (a symbolic size): never in the pool
-            return None
-
-    inputs = {storage(ir.example_value(n)) for n in gm.graph.nodes if n.op == "placeholder"
-              and isinstance(ir.example_value(n), torch.Tensor)}
-    keep = set()
-    for i, node in enumerate(_output_nodes(gm)):
-        value = ir.example_value(node)
-        if isinstance(value, torch.Tensor) and storage(value) not in inputs:
-            keep.add(i)
-    return frozenset(keep)
+    aliasing = outputs_aliasing_inputs(gm)
+    return frozenset(i for i, n in enumerate(_output_nodes(gm))
+                     if isinstance(ir.example_value(n), torch.Tensor) and i not in aliasing)
 
 
 def _copy_out(outputs: Any, keep: frozenset[int]) -> Any:
