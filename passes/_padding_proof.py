@@ -7,7 +7,6 @@ Dynamo's fake mode, so sizes are sympy expressions over Dynamo's symbols), op by
 interpretation. A dimension is *padded* when its size involves a padded symbol; its real extent is that size
 with the real values substituted. Per tensor it keeps:
 
-  clean   its real part equals the unpadded computation's (what the outputs must be)
   fill    per padded dim d: a constant known to sit where d is padded and every other dim is real (zero,
           False, -inf...): what makes a reduction across d harmless (a sum over zeros, a softmax over -inf)
   pos     per dim: the value is the index along it plus a constant (``arange``): what makes a causal mask
@@ -15,7 +14,7 @@ with the real values substituted. Per tensor it keeps:
   const   the value of every element, where known (``full``, ``scalar_tensor``, a scalar)
   concrete  a static tensor's real values (a causal mask kept as a buffer, sliced to the sequence length)
 
-The rules, each a reason the real part stays clean:
+The rules, each a reason the real part stays what it was unpadded (a step no rule covers fails the proof):
   rows      ops that act on each position alone (pointwise with broadcasting, views that split and merge dims
             without moving a padded factor, matrix products and norms over unpadded dims, embedding lookups)
   prefix    a cumulative sum along a padded dim (positions are appended at the end)
@@ -68,7 +67,6 @@ class AV:
     """What the proof knows about one tensor (see the module's docstring)."""
 
     shape: tuple[Any, ...]
-    clean: bool = True
     fill: dict[int, Any] = dataclasses.field(default_factory=dict)
     pos: dict[int, int] = dataclasses.field(default_factory=dict)
     const: Any = None
@@ -180,7 +178,7 @@ class _Prover:
             if "scaled_dot_product" in target.name():
                 return self.attention(node, shape)
             if not touched:
-                return AV(shape, clean=all(self.av(a).clean for a in ins))
+                return AV(shape)
             self.fail(node, "no rule for this op on a padded dimension",
                       frozenset().union(*[_syms(e, self.padded) for e in shape]) if shape else ())
         return rule(self, node, shape)
@@ -191,12 +189,12 @@ class _Prover:
         shapes = [tuple(_expr(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in vals]
         if "scaled_dot_product" in node.target.name():
             first = self.attention(node, shapes[0])
-            return [first] + [AV(s, clean=first.clean) if s is not None else None for s in shapes[1:]]
+            return [first] + [AV(s) if s is not None else None for s in shapes[1:]]
         if name in (aten.native_layer_norm, aten._fused_rms_norm):
             x = self.av(node.args[0])
             nd = len(node.args[1])
             self.no_padded_dims(node, x, range(len(x.shape) - nd, len(x.shape)), "normalizes over")
-            return [AV(s, clean=x.clean) if s is not None else None for s in shapes]
+            return [AV(s, finite=x.finite) if s is not None else None for s in shapes]
         if name is aten.unbind:
             x = self.av(node.args[0])
             dim = _dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), len(x.shape))
@@ -210,7 +208,7 @@ class _Prover:
         ins = [a for a in _flat_args(node) if isinstance(a, fx.Node) and isinstance(self.av(a), AV)]
         if any(self.pdims(self.av(a)) for a in ins):
             self.fail(node, "no rule for this op on a padded dimension")
-        return [AV(s, clean=all(self.av(a).clean for a in ins)) if s is not None else None for s in shapes]
+        return [AV(s) if s is not None else None for s in shapes]
 
     def no_padded_dims(self, node, x: AV, dims: Iterable[int], verb: str) -> None:
         pd = self.pdims(x)
@@ -218,9 +216,9 @@ class _Prover:
             if d in pd:
                 self.fail(node, f"{verb} dim {d}, which is padded ({', '.join(map(str, pd[d]))})", pd[d])
 
-    def keep_dims(self, x: AV, shape: tuple, mapping: dict[int, int], *, clean: bool | None = None) -> AV:
+    def keep_dims(self, x: AV, shape: tuple, mapping: dict[int, int]) -> AV:
         """An AV for a result whose dim o holds x's dim mapping[o] position for position."""
-        out = AV(shape, clean=x.clean if clean is None else clean, const=x.const, finite=x.finite, lower=x.lower)
+        out = AV(shape, const=x.const, finite=x.finite, lower=x.lower)
         for o, i in mapping.items():
             if i in x.factors:
                 out.factors[o] = x.factors[i]
@@ -236,11 +234,8 @@ class _Prover:
         args = {a.name: v for a, v in zip(schema.arguments, node.args)}
         args.update(node.kwargs)
         q, k, v = (self.av(args[n]) for n in ("query", "key", "value"))
-        clean = q.clean and k.clean and v.clean
         mask = args.get("attn_mask") or args.get("attn_bias")
         mav = self.av(mask) if isinstance(mask, fx.Node) else None
-        if mav is not None:
-            clean = clean and mav.clean
         if args.get("dropout_p", 0.0):
             self.fail(node, "attention with dropout draws different random numbers once padded")
         kd, qd = len(k.shape) - 2, len(q.shape) - 2
@@ -260,7 +255,7 @@ class _Prover:
             if not (causal or masked) or not (k.finite and v.finite):
                 self.fail(node, "attention over padded keys without a causal flag or a mask that hides them"
                           + ("" if k.finite and v.finite else " (or keys and values not known finite there)"), ks)
-        return AV(shape, clean=clean)
+        return AV(shape)
 
 
 def _flat_args(node: fx.Node) -> list[Any]:
@@ -284,8 +279,6 @@ def prove(gm: fx.GraphModule, padded: frozenset, inputs: dict[str, AV]) -> list[
     prover = _Prover(gm, padded, inputs)
     outs = prover.run()
     for i, o in enumerate(outs):
-        if o is not None and not o.clean:
-            raise Unprovable(None, f"output {i} reads padded positions")
         for d in range(len(o.shape) if o is not None else 0):
             if prover.scrambled(o, d):  # sliced back as a prefix, which it is not
                 raise Unprovable(None, f"output {i} merges padded dims in dim {d}", _syms(o.shape[d], padded))

@@ -109,8 +109,7 @@ def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     tensors = [a for a in operands if isinstance(a, fx.Node) and isinstance(p.av(a), AV)]
     for a in operands:
         p.sym_value_used(node, a, "an operand")
-    clean = all(p.av(a).clean for a in tensors)
-    out = AV(shape, clean=clean)
+    out = AV(shape)
     nd = len(shape)
     for a in tensors:  # dims kept position for position keep what they were merged from
         av = p.av(a)
@@ -238,7 +237,7 @@ def _reduction(kind: str):
                     p.fail(node, f"reduces ({kind}) over dim {d}, which is padded and not known to hold "
                                  f"{neutral if neutral is not None else 'nothing'} there", pd[d])
         lower = x.lower if kind in ("sum", "mean") and x.lower is not None and x.lower >= 0 else None
-        return AV(shape, clean=x.clean, finite=x.finite, lower=lower)
+        return AV(shape, finite=x.finite, lower=lower)
 
     return rule
 
@@ -273,10 +272,10 @@ def _softmax(p: _Prover, node: fx.Node, shape: tuple) -> AV:
 def _cumsum(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     x = p.av(node.args[0])  # prefix sums: a real position reads only the ones before it
     p.in_order(node, x, _dim(node.args[1], len(shape)), "sums a prefix along")
-    return AV(shape, clean=x.clean, finite=x.finite and node.target.overloadpacket is aten.cumsum)
+    return AV(shape, finite=x.finite and node.target.overloadpacket is aten.cumsum)
 
 
-def _contract(p: _Prover, node: fx.Node, a: AV, b: AV, ka: int, kb: int, shape: tuple, clean: bool) -> AV:
+def _contract(p: _Prover, node: fx.Node, a: AV, b: AV, ka: int, kb: int, shape: tuple) -> AV:
     s = _syms(a.shape[ka], p.padded) | _syms(b.shape[kb], p.padded)
     # zeros on one side, finite values on the other (0 * inf is NaN)
     if s and not (a.fill.get(ka) == 0 and b.finite or b.fill.get(kb) == 0 and a.finite):
@@ -285,7 +284,7 @@ def _contract(p: _Prover, node: fx.Node, a: AV, b: AV, ka: int, kb: int, shape: 
     if s:
         p.in_order(node, a, ka, "a matrix product sums over")
         p.in_order(node, b, kb, "a matrix product sums over")
-    out = AV(shape, clean=clean and a.clean and b.clean, finite=a.finite and b.finite)
+    out = AV(shape, finite=a.finite and b.finite)
     for d in range(len(shape) - 1):  # batch and rows come from a; the last dim from b
         if d in a.factors and d < len(a.shape) - 1:
             out.factors[d] = a.factors[d]
@@ -297,20 +296,24 @@ def _contract(p: _Prover, node: fx.Node, a: AV, b: AV, ka: int, kb: int, shape: 
 @_rule(aten.mm, aten.bmm)
 def _mm(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     a, b = p.av(node.args[0]), p.av(node.args[1])
-    return _contract(p, node, a, b, len(a.shape) - 1, len(b.shape) - 2, shape, True)
+    return _contract(p, node, a, b, len(a.shape) - 1, len(b.shape) - 2, shape)
 
 
 @_rule(aten.addmm, aten.baddbmm)
 def _addmm(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     bias, a, b = (p.av(x) for x in node.args[:3])
-    return _contract(p, node, a, b, len(a.shape) - 1, len(b.shape) - 2, shape, bias.clean)
+    out = _contract(p, node, a, b, len(a.shape) - 1, len(b.shape) - 2, shape)
+    out.finite = out.finite and bias.finite
+    return out
 
 
 @_rule(aten.linear)
 def _linear(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     x, w = p.av(node.args[0]), p.av(node.args[1])
     bias = p.av(node.args[2]) if len(node.args) > 2 and node.args[2] is not None else None
-    return _contract(p, node, x, w, len(x.shape) - 1, len(w.shape) - 1, shape, bias is None or bias.clean)
+    out = _contract(p, node, x, w, len(x.shape) - 1, len(w.shape) - 1, shape)
+    out.finite = out.finite and (bias is None or bias.finite)
+    return out
 
 
 @_rule(aten.sym_size, aten.sym_stride, aten.sym_numel)

@@ -223,16 +223,15 @@ def _creation(p: _Prover, node: fx.Node, shape: tuple) -> AV:
 
 @_rule(aten.embedding)
 def _embedding(p: _Prover, node: fx.Node, shape: tuple) -> AV:
-    w, idx = p.av(node.args[0]), p.av(node.args[1])
+    w = p.av(node.args[0])  # padded indices are zeros: a real row of the table
     p.no_padded_dims(node, w, range(len(w.shape)), "looks up a table padded in")
-    return AV(shape, clean=w.clean and idx.clean)
+    return AV(shape)
 
 
 @_rule(aten.index)
 def _index(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     x = p.av(node.args[0])
     indices = list(node.args[1])
-    clean = x.clean
     used = [d for d, ix in enumerate(indices) if ix is not None]
     lead = used[0] if used else 0  # index tensors next to each other: their broadcast dims replace theirs
     nd = max(len(p.av(ix).shape) for ix in indices if ix is not None) + lead
@@ -244,7 +243,6 @@ def _index(p: _Prover, node: fx.Node, shape: tuple) -> AV:
         if ix is None:
             continue
         iav = p.av(ix)
-        clean = clean and iav.clean
         s = _syms(x.shape[d], p.padded)
         if not s:
             continue
@@ -259,7 +257,6 @@ def _index(p: _Prover, node: fx.Node, shape: tuple) -> AV:
         if iav.const is not None and isinstance(iav.const, int) and iav.const >= 0:
             continue
         p.fail(node, f"indexes the padded dim {d} with values not known to be real positions", s)
-    out.clean = clean
     return out
 
 
@@ -274,7 +271,7 @@ def _cat(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     if padded_parts and padded_parts != [len(parts) - 1]:
         p.fail(node, f"concatenates along dim {dim} after a padded part: the parts after it would move",
                _syms(parts[padded_parts[0]].shape[dim], p.padded))
-    out = AV(shape, clean=all(a.clean for a in parts), finite=all(a.finite for a in parts))
+    out = AV(shape, finite=all(a.finite for a in parts))
     if len(parts) == 1 or padded_parts:
         last = parts[-1]
         for d in last.fill:
