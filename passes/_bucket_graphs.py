@@ -82,13 +82,14 @@ class BucketGraphs:
         n = self.calls[key] = self.calls.get(key, 0) + 1
         ptrs = [a.data_ptr() if isinstance(a, torch.Tensor) else 0 for a in args]
         previous, self.last_ptrs[key] = self.last_ptrs.get(key), ptrs
-        if n < 2:
-            return None  # the first call compiles the kernels for these sizes
-        why = self._why_not(key, sizes)
+        why = self._why_not(key, sizes, estimate=n == 1)  # decided at the first call: it runs padded only if so
         if why:
             self.declined[key] = why
-            self.note(f"bucket {_label(sizes)}: not captured: {why}")
+            self.note(f"bucket {_label(sizes)}: not captured, its calls run unpadded (unless bucketing's "
+                      f"pad='always'): {why}")
             return None
+        if n < 2:
+            return None  # the first call compiles the kernels for these sizes
         stable = {i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in padded_args
                   and (isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None)
                        or previous is not None and previous[i] == ptrs[i] or i in self.mutated)}
@@ -109,12 +110,12 @@ class BucketGraphs:
             return None
         return self._replay(cap, args, padded_args)
 
-    def _why_not(self, key: tuple, sizes: dict) -> str | None:
+    def _why_not(self, key: tuple, sizes: dict, estimate: bool = True) -> str | None:
         if self.mutated_inputs:
             return "the graph writes into an input (a capture would write into its own copy)"
         if self.settings.max_pool_mb is not None and self.pool_mb >= self.settings.max_pool_mb:
             return f"the graphs' pool holds {self.pool_mb:.0f} MiB, max_pool_mb={self.settings.max_pool_mb}"
-        if self.settings.decide == "auto":
+        if self.settings.decide == "auto" and estimate:
             ms = self.settings.estimate_ms(sizes)
             if ms is None:
                 return "no estimate of its device time on this card; decide='always' captures anyway"

@@ -23,7 +23,7 @@ first call of each bucket is noted in the report.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 import sympy
 import torch
@@ -48,6 +48,9 @@ class BucketingOptions:
     # a graph Dynamo made for one set of sizes (before any changed) compiles at this call, running eagerly
     # before: in a stream of changing sizes it may never be called again (1: compile at once)
     compile_static_after: int = 2
+    # "captured": pad only the calls a CUDA graph replays (the cudagraphs pass, per bucket); the others run at
+    # their own sizes through the same dynamic code, which padding would only slow. "always": pad every call
+    pad: Literal["captured", "always"] = "captured"
 
     def __post_init__(self):
         if self.buckets is not None:
@@ -74,6 +77,7 @@ class Plan:
     seen: dict[tuple, bool] = dataclasses.field(default_factory=dict)  # bucket -> the guards hold there
     notes: list[str] | None = None
     calls: int = 0
+    pad_always: bool = False  # the options' pad="always"; else only the calls a CUDA graph replays are padded
     mutated_inputs: bool = False  # the graph writes into one of its inputs
     graphs: Any = None  # a _bucket_graphs.BucketGraphs when the cudagraphs pass captures per bucket
     _memo: dict = dataclasses.field(default_factory=dict)  # real sizes -> what _sizes says
@@ -103,7 +107,7 @@ class Plan:
                 if self.notes is not None and self.watched:
                     self.notes.append(f"call {self.calls}: a buffer the proof read changed; calls run unpadded")
                 self.watched, self.withdrawn = [], "a buffer the proof read changed"
-        if self.withdrawn:
+        if self.withdrawn or self.graphs is None and not self.pad_always:
             return compiled(*args)
         real = tuple(_size(args, where) for where in self.sources.values())
         sizes = self._memo.get(real)
@@ -121,6 +125,8 @@ class Plan:
             outs = self.graphs.run(key, compiled, new, list(shapes), shapes, dict(zip(self.symbols, key)))
             if outs is not None:
                 return self._slice(outs, out_sizes, copy=True)
+        if not self.pad_always and key in self.graphs.declined:
+            return compiled(*args)  # no CUDA graph holds this bucket: its own sizes cost less than padded ones
         for i, shape in shapes.items():
             t = args[i]
             pad = [0] * (2 * t.dim())
@@ -217,7 +223,7 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
     gm.meta["kpt_bucketing"] = plan
     ctx.count("padded_dims", len(plan.symbols))
     ladder = "powers of two" if plan.buckets is None else f"buckets {list(plan.buckets)}"
-    ctx.note(f"padded to {ladder}: {why}")
+    ctx.note(f"padded to {ladder}{'' if plan.pad_always else ' where a CUDA graph replays the bucket'}: {why}")
     ctx.wrap_each_call(plan.wrap)
     ctx.during_aot(_no_size_range_guards)
     guards_before = len(plan.shape_env.guards) if plan.shape_env is not None else 0
@@ -301,7 +307,7 @@ def make_plan(gm: fx.GraphModule, ctx: PassContext) -> tuple[Plan | None, str]:
                  for i, v in enumerate(values) if isinstance(v, torch.Tensor) and any(_has(s, padded) for s in v.shape)],
         sym_args=[(i, v.node.expr) for i, v in enumerate(values) if isinstance(v, torch.SymInt) and _has(v, padded)],
         outputs=_output_dims(gm, padded), buckets=ctx.options.buckets,
-        shape_env=_shape_env(values), mutated_inputs=bool(mutated),
+        shape_env=_shape_env(values), mutated_inputs=bool(mutated), pad_always=ctx.options.pad == "always",
     )
     if plan.outputs is None:
         return None, "an output is not a tensor or size this pass can slice back"

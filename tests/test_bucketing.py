@@ -3,6 +3,7 @@ the outputs equal to eager on the real part at sizes that are padded; each refus
 the guards, the options. The CUDA graphs per bucket run on the GPU (tests/gpu/test_cudagraphs_gpu.py)."""
 
 import math
+import types
 
 import pytest
 import torch
@@ -16,13 +17,14 @@ from kpt_compiler.passes import bucketing as bk
 SIZES = [(3, 5), (2, 7), (5, 9), (3, 12), (4, 16)]  # (batch, sequence): padded to 4x8, 2x8, 8x16, 4x16, 4x16
 
 
-def _run(model, make, sizes=SIZES, dims=(0, 1), options=None, training=False):
+def _run(model, make, sizes=SIZES, dims=(0, 1), options=None, training=False, logits=False):
     """Compile with bucketing (dims marked dynamic so the first graph is the dynamic one); return the bucketing
     pass's record of the dynamic graph and the largest difference from eager over the calls."""
     torch._dynamo.reset()
     kpt_compiler.clear_reports()
     fn = torch.compile(model, backend="kernelpytorch",
-                       options={"codegen": "eager", "bucketing": options or True, "fusion": False})
+                       options={"codegen": "eager", "bucketing": {"pad": "always", **(options or {})},
+                                "fusion": False})
     worst = 0.0
     with torch.set_grad_enabled(training):
         for b, s in sizes:
@@ -32,6 +34,8 @@ def _run(model, make, sizes=SIZES, dims=(0, 1), options=None, training=False):
                     if isinstance(a, torch.Tensor) and a.dim() > d:
                         torch._dynamo.mark_dynamic(a, d)
             got, want = fn(*args), model(*args)
+            if logits:  # a transformers output
+                got, want = got.logits, want.logits
             assert got.shape == want.shape
             worst = max(worst, float((got - want).detach().abs().max()))
     records = [p for r in kpt_compiler.reports() for p in r.passes() if p.name == "bucketing"]
@@ -117,6 +121,62 @@ def test_an_input_mask_padded_with_zeros_hides_the_padded_keys():
     assert rec.status == "applied" and rec.stats["padded_dims"] == 2 and err < 1e-5
 
 
+class LowestMask(nn.Module):  # transformers' eager form: positions compared, made additive with the lowest value
+    def __init__(self, keep=lambda q, k: k <= q):
+        super().__init__()
+        self.keep = keep
+
+    def forward(self, x):
+        i = torch.arange(x.shape[1])
+        mask = torch.where(self.keep(i[None, :, None], i[None, None, :]), 0.0, torch.finfo(x.dtype).min)
+        return ((x @ x.transpose(1, 2)) / 4 + mask).softmax(-1) @ x
+
+
+class PackedMask(nn.Module):  # transformers' packed-sequence part: one index read at the query's and the key's place
+    def __init__(self, shift=0):
+        super().__init__()
+        self.shift = shift  # 1: the keys read another tensor (seq + 1), which no query's own index equals
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        pos = torch.arange(s).expand(b, s)
+        seq = (torch.diff(torch.cat([pos[:, :1] - 1, pos], -1), dim=-1) != 1).cumsum(-1)
+        rows = torch.arange(b)[:, None, None]
+        keys = seq + self.shift if self.shift else seq
+        same = seq[rows, torch.arange(s)[None, :, None]] == keys[rows, torch.arange(s)[None, None, :]]
+        causal = torch.arange(s)[None, None, :] <= torch.arange(s)[None, :, None]
+        mask = torch.where(same & causal, 0.0, torch.finfo(x.dtype).min)
+        return ((x @ x.transpose(1, 2)) / 4 + mask).softmax(-1) @ x
+
+
+@pytest.mark.parametrize("model", [LowestMask, PackedMask], ids=["causal", "packed"])
+def test_a_lowest_value_mask_hides_padded_keys_where_each_real_row_sees_its_own_key(model):
+    rec, err = _run(model(), _x)
+    assert rec.stats["padded_dims"] == 2 and err < 1e-5, rec.notes
+
+
+@pytest.mark.parametrize("keep", [
+    lambda q, k: k < q,  # the first row sees no key: unpadded it averages its keys, padded the padded ones too
+    lambda q, k: (k <= q) & (q > 2),  # the first three rows see nothing
+    lambda q, k: k <= q - 1,
+    lambda: PackedMask(shift=1),  # every row fully masked
+], ids=["strict", "rows-masked", "shifted", "other-source"])
+def test_a_lowest_value_mask_without_a_visible_diagonal_keeps_the_sequence(keep):
+    rec, err = _run(keep() if keep.__code__.co_argcount == 0 else LowestMask(keep), _x, sizes=[(3, 5), (5, 6), (2, 3)])
+    assert err < 1e-4 and rec.stats.get("padded_dims", 0) < 2, rec.notes
+    assert "dim 1" in rec.notes[0] and "softmax over dim 2" in rec.notes[0], rec.notes
+
+
+def test_transformers_eager_attention_pads_both_dims():
+    from kpt_compiler.models import zoo
+
+    for name in ("gpt2", "llama"):
+        torch.manual_seed(0)
+        model, make = zoo.build(name, attn="eager", n_layer=1)
+        rec, err = _run(model.eval(), lambda b, s: make(b, s, "cpu"), dims=(0, 1), logits=True)
+        assert rec.stats["padded_dims"] == 2 and err < 1e-4, (name, rec.notes)
+
+
 class Prefix(nn.Module):
     def forward(self, x):
         return x.cumsum(1) * 2
@@ -173,6 +233,19 @@ def test_a_graph_of_one_shape_and_a_training_graph_are_not_padded():
     assert "no input size varies" in kpt_compiler.last_report().pass_record("bucketing").notes[0]
     rec, _ = _run(Rows(), _x, training=True)
     assert rec.status == "unchanged" and "training graph" in rec.notes[0]
+
+
+def test_by_default_only_calls_a_cuda_graph_replays_are_padded(monkeypatch):
+    # on the CPU no CUDA graph holds a bucket: every call runs at its own sizes through the dynamic code
+    pads = []
+    monkeypatch.setattr(bk, "F", types.SimpleNamespace(pad=lambda t, p: pads.append(p) or F.pad(t, p)))
+    rec, err = _run(Rows().eval(), _x, options={"pad": "captured"})
+    assert rec.status == "applied" and "where a CUDA graph replays" in rec.notes[0], rec.notes
+    assert not _padded(rec) and not pads and err < 1e-5
+    _run(Rows().eval(), _x)  # the tests' pad="always": the same spy sees the padding
+    assert pads
+    with pytest.raises(OptionError, match="'pad' in options\\['bucketing'\\] must be 'captured' or 'always'"):
+        torch.compile(Rows(), backend="kernelpytorch", options={"bucketing": {"pad": "never"}})(torch.randn(2, 3, 16))
 
 
 def test_writing_into_a_padded_input_is_refused():
