@@ -30,7 +30,9 @@ from a padded size, an input mutated in place) fails the proof, and the failure 
 Values of the real computation are assumed finite (a real +inf meeting a -inf mask would give NaN unpadded too);
 values at padded positions are followed as finite or not (zeros stay finite through sums and products, a
 reciprocal or log of them need not), and "0 * x" or "x + -inf" count only for finite x. A mask's "hidden" is
-False or -inf: a dtype's lowest value (transformers' eager masks) does not absorb a row whose every key it masks.
+False or -inf; a finite value <= -1e4 (a dtype's lowest, as transformers' masks) only where every real row is
+shown to see a real key (its diagonal: ``diag``), since it does not absorb a row whose every key it masks, and
+only while real scores stay within 1e4 - 104 of each other (so exp underflows to 0 in fp32 as it does unpadded).
 A dim merged from several whose padded factor is not the outermost has its real positions scattered: only
 row-wise ops may follow it before it is split again. A module's mask buffer is read when the proof runs; each
 call checks that it did not change since (bucketing.py). The review of 2026-11-26 found fifteen ways the first
@@ -77,6 +79,12 @@ class AV:
     # reciprocal or log of them may not): what lets "0 * x" and "x + -inf" be read as 0 and -inf there
     finite: bool = True
     lower: float | None = None  # a lower bound on its padded values (x * x: 0): rsqrt(mean(x * x) + eps) is finite
+    # the value at [..., i, i] of the last two dims (equal lengths) for every real i: True in a causal mask, 0.0
+    # once made additive, VISIBLE in scores: every real query then sees a real key, so a finite mask hides too
+    diag: Any = None
+    # an index result: (source, the other indices, source dim, out dim): the source read along out dim at the
+    # positions of the source dim; two of them alike but for the out dim meet on the diagonal (eq: True there)
+    keyed: tuple | None = None
 
 
 def _op_name(node: fx.Node) -> str:
@@ -93,12 +101,25 @@ def _syms(expr: Any, padded: frozenset) -> frozenset:
 
 
 NEG = float("-inf")
+HIDE = -1e4  # a finite mask value this low hides a key in a row that sees another: exp underflows to 0 in fp32
+VERY_NEG, VISIBLE = "-big", "seen"  # a value <= HIDE plus a real one; a real value a mask did not hide
 
 
 def _is_neg(v: Any) -> bool:
     # -inf only: a dtype's lowest value (transformers' eager masks) does not absorb, and a real row whose every
     # key it masks would average over the padded keys too
     return isinstance(v, float) and v == NEG
+
+
+def _hides(v: Any) -> bool:
+    """A finite mask value that hides a key only where the row sees another (the diagonal: AV.diag)."""
+    return v == VERY_NEG or isinstance(v, float) and not isinstance(v, bool) and NEG < v <= HIDE
+
+
+def _sees(v: Any) -> bool:
+    """A diagonal value a real row attends to: True (bool mask), a real score, a finite additive mask value."""
+    return v is True or v == VISIBLE or isinstance(v, (int, float)) and not isinstance(v, bool) and v > HIDE \
+        and v != float("inf")
 
 
 class _Prover:
@@ -219,6 +240,9 @@ class _Prover:
     def keep_dims(self, x: AV, shape: tuple, mapping: dict[int, int]) -> AV:
         """An AV for a result whose dim o holds x's dim mapping[o] position for position."""
         out = AV(shape, const=x.const, finite=x.finite, lower=x.lower)
+        n, m = len(shape), len(x.shape)
+        if n >= 2 and m >= 2 and mapping.get(n - 2) == m - 2 and mapping.get(n - 1) == m - 1:
+            out.diag = x.diag
         for o, i in mapping.items():
             if i in x.factors:
                 out.factors[o] = x.factors[i]
@@ -252,10 +276,17 @@ class _Prover:
             fill = mav.fill.get(len(mav.shape) - 1, "?") if mav is not None else "?"
             bool_mask = mav is not None and isinstance(mask, fx.Node) and mask.meta["val"].dtype == torch.bool
             masked = fill is False if bool_mask else _is_neg(fill)
+            masked = masked or _hides(fill) and self.sees_diagonal(mav, q.shape[qd], k.shape[kd])
             if not (causal or masked) or not (k.finite and v.finite):
                 self.fail(node, "attention over padded keys without a causal flag or a mask that hides them"
                           + ("" if k.finite and v.finite else " (or keys and values not known finite there)"), ks)
         return AV(shape)
+
+
+    def sees_diagonal(self, x: AV, rows: Any, cols: Any) -> bool:
+        """Every real row of x's last two dims (rows x cols, padded alike) has a key it sees: its diagonal."""
+        return x is not None and len(x.shape) >= 2 and _sees(x.diag) and all(
+            sympy.simplify(a - cols) == 0 for a in (rows, x.shape[-1], x.shape[-2]))
 
 
 def _flat_args(node: fx.Node) -> list[Any]:

@@ -8,7 +8,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ._padding_proof import AV, NEG, _dim, _is_neg, _Prover, _syms
+from ._padding_proof import AV, NEG, VERY_NEG, VISIBLE, _dim, _hides, _is_neg, _Prover, _sees, _syms
 
 aten = torch.ops.aten
 
@@ -67,6 +67,9 @@ def _combine(op, values: list[Any], kwargs: dict | None = None, dtypes: list | N
     kwargs = dict(kwargs or {})
     if kwargs.get("alpha", 1) != 1:
         return UNKNOWN  # add/sub with alpha: not followed
+    packet = op.overloadpacket
+    if any(v in (VERY_NEG, VISIBLE) for v in values):  # markers, not numbers: only these ops keep them
+        return _markers(packet, values)
     if all(v not in (UNKNOWN, UNBOUNDED) for v in values):
         kwargs = {k: v for k, v in kwargs.items() if k == "dtype"}
         dtypes = dtypes or [None] * len(values)
@@ -77,7 +80,6 @@ def _combine(op, values: list[Any], kwargs: dict | None = None, dtypes: list | N
             return r.item() if isinstance(r, torch.Tensor) and r.numel() == 1 else UNKNOWN
         except Exception:  # noqa: BLE001 - no constant then
             return UNKNOWN
-    packet = op.overloadpacket
     finite = UNBOUNDED not in values  # the absorbing rules below hold for finite partners only
     if packet in (aten.add,) and finite and any(_is_neg(v) for v in values):
         return NEG
@@ -95,6 +97,39 @@ def _combine(op, values: list[Any], kwargs: dict | None = None, dtypes: list | N
         return values[1] if values[0] else values[2]
     if packet is aten.masked_fill and values[1] not in (UNKNOWN, UNBOUNDED):
         return values[2] if values[1] else values[0]
+    return _hide(values, packet)
+
+
+_KEEP = (aten._to_copy, aten.clone, aten.alias, aten.detach, aten.contiguous, aten.lift_fresh_copy, aten.to,
+         aten.type_as)
+
+
+def _markers(packet, values: list[Any]) -> Any:
+    """VERY_NEG (a hiding mask value plus a real one) and VISIBLE (a real value no mask hid) through an op."""
+    if packet is aten.where and isinstance(values[0], bool):
+        return values[1] if values[0] else values[2]
+    if packet in _KEEP:
+        return values[0]
+    finite = all(v not in (UNBOUNDED, NEG, float("inf")) and not isinstance(v, bool) for v in values)
+    if packet is aten.add and finite:
+        return VERY_NEG if any(_hides(v) for v in values) else VISIBLE if all(_sees(v) for v in values) else UNKNOWN
+    if packet is aten.sub and finite and len(values) == 2:
+        return VERY_NEG if _hides(values[0]) and not _hides(values[1]) else VISIBLE if all(
+            _sees(v) for v in values) else UNKNOWN
+    if packet in (aten.mul, aten.div) and values[0] == VISIBLE and len(values) == 2 and isinstance(
+            values[1], (int, float)) and not isinstance(values[1], bool) and values[1] not in (0, float("inf")):
+        return VISIBLE  # scores times a scale
+    return UNKNOWN
+
+
+def _hide(values: list[Any], packet) -> Any:
+    """A hiding mask value (finite, <= -1e4) plus a real one stays hiding: VERY_NEG."""
+    if packet is aten.add and any(_hides(v) for v in values) and all(
+            v not in (UNBOUNDED, NEG) and not isinstance(v, bool) for v in values):
+        return VERY_NEG
+    if packet is aten.sub and len(values) == 2 and _hides(values[0]) and values[1] not in (UNBOUNDED, NEG) \
+            and not _hides(values[1]) and not isinstance(values[1], bool):
+        return VERY_NEG
     return UNKNOWN
 
 
@@ -127,13 +162,14 @@ def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     if all(p.av(a).const is not None for a in tensors) and tensors:
         out.const = _combine(node.target, [p.av(a).const if isinstance(a, fx.Node) and p.av(a) else a
                                            for a in node.args], node.kwargs, dtypes)
-        out.const = None if out.const in (UNKNOWN, UNBOUNDED) else out.const
+        out.const = None if out.const in (UNKNOWN, UNBOUNDED, VERY_NEG, VISIBLE) else out.const
     for d, s in enumerate(shape):
         if not _syms(s, p.padded):
             continue
         v = _combine(node.target, [_broadcast_value(p, a, nd, d, shape) for a in node.args], node.kwargs, dtypes)
-        if v not in (UNKNOWN, UNBOUNDED):
+        if v not in (UNKNOWN, UNBOUNDED, VISIBLE):
             out.fill[d] = v
+    out.diag = _diagonal(p, node, shape, dtypes)
     packet = node.target.overloadpacket
     out.finite, out.lower = _finite(p, node, packet, tensors, out)
     # position tensors: arange + c stays a position; a comparison of two positions is a causal mask
@@ -150,6 +186,31 @@ def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     if p.av(node.args[0]) is not None and packet in (aten._to_copy, aten.clone, aten.detach, aten.alias):
         out.concrete = p.av(node.args[0]).concrete
     return out
+
+
+def _square(p: _Prover, shape: tuple) -> bool:
+    return len(shape) >= 2 and bool(_syms(shape[-1], p.padded)) and sympy.simplify(shape[-1] - shape[-2]) == 0
+
+
+def _diagonal(p: _Prover, node: fx.Node, shape: tuple, dtypes: list) -> Any:
+    """The result's value on the real diagonal of its last two dims (AV.diag), or None where not known."""
+    if not _square(p, shape):
+        return None
+    nd, values, keys = len(shape), [], []
+    for a in node.args:
+        av = p.av(a) if isinstance(a, fx.Node) else None
+        if av is None:
+            values.append(a if isinstance(a, (bool, int, float)) and not isinstance(a, fx.Node) else UNKNOWN)
+            continue
+        full = len(av.shape) >= 2 and all(sympy.simplify(av.shape[j] - shape[-1]) == 0 for j in (-1, -2))
+        values.append(av.diag if full and av.diag is not None else av.const if av.const is not None else UNKNOWN)
+        keys.append(av.keyed[:3] + (av.keyed[3] + nd - len(av.shape),) if av.keyed else None)
+    packet = node.target.overloadpacket
+    if packet in (aten.eq, aten.ne) and len(keys) == 2 and all(keys) and keys[0][:3] == keys[1][:3] and \
+            {keys[0][3], keys[1][3]} == {nd - 2, nd - 1}:
+        return packet is aten.eq  # one source read at the query's and at the key's position: equal on the diagonal
+    v = _combine(node.target, values, node.kwargs, dtypes)
+    return None if v in (UNKNOWN, UNBOUNDED) else v
 
 
 def _finite(p: _Prover, node: fx.Node, packet, tensors: list, out: AV) -> tuple[bool, float | None]:
@@ -200,6 +261,8 @@ def _compare_positions(p: _Prover, node: fx.Node, out: AV) -> None:
     # where b's dim is padded and a's real: b > a
     out.fill[db] = packet in (aten.lt, aten.le)
     out.fill[da] = packet in (aten.gt, aten.ge)
+    if {da, db} == {nd - 2, nd - 1}:  # equal positions on the diagonal
+        out.diag = packet in (aten.le, aten.ge)
 
 
 def _dim_arg(node: fx.Node) -> Any:
@@ -262,8 +325,11 @@ def _softmax(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     out = p.keep_dims(x, shape, {o: o for o in range(len(shape)) if o != d})
     out.pos, out.const, out.fill, out.lower = {}, None, {}, None  # along other dims: a softmax of the row
     if d in pd:
-        if not _is_neg(x.fill.get(d, "?")):
-            p.fail(node, f"softmax over dim {d}, which is padded and not masked (-inf) there", pd[d])
+        f = x.fill.get(d, "?")
+        hidden = _hides(f) and d == len(shape) - 1 and p.sees_diagonal(x, x.shape[-2], x.shape[-1])
+        if not (_is_neg(f) or hidden):
+            p.fail(node, f"softmax over dim {d}, which is padded and not masked there (-inf, or a finite mask "
+                         "with a visible real key in each real row)", pd[d])
         out.fill[d] = 0.0 if node.target.overloadpacket in (aten._softmax, aten.softmax) else NEG
     return out
 
@@ -296,7 +362,9 @@ def _contract(p: _Prover, node: fx.Node, a: AV, b: AV, ka: int, kb: int, shape: 
 @_rule(aten.mm, aten.bmm)
 def _mm(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     a, b = p.av(node.args[0]), p.av(node.args[1])
-    return _contract(p, node, a, b, len(a.shape) - 1, len(b.shape) - 2, shape)
+    out = _contract(p, node, a, b, len(a.shape) - 1, len(b.shape) - 2, shape)
+    out.diag = VISIBLE if _square(p, shape) else None  # scores: real values, which no mask has hidden yet
+    return out
 
 
 @_rule(aten.addmm, aten.baddbmm)

@@ -156,6 +156,8 @@ def _slice(p: _Prover, node: fx.Node, shape: tuple) -> AV:
                 out.pos[dim] = x.pos[dim] + start
     elif not _syms(shape[dim], p.padded) and dim in x.pos:
         out.pos[dim] = x.pos[dim] + (start if isinstance(start, int) else 0)
+    if start == 0 and step == 1 and dim >= n - 2 and n >= 2:  # positions unmoved: the diagonal stays
+        out.diag = x.diag
     if x.concrete is not None and start == 0 and step == 1:  # a top-left block of the buffer: its facts hold
         out.concrete = x.concrete
         _triangle_facts(p, out)
@@ -253,6 +255,9 @@ def _index(p: _Prover, node: fx.Node, shape: tuple) -> AV:
             od = next(iter(ipos))
             if sympy.simplify(shape[od] - x.shape[d]) == 0 and d in x.pos:
                 out.pos[od] = x.pos[d]
+            if sympy.simplify(shape[od] - x.shape[d]) == 0 and isinstance(node.args[0], fx.Node):
+                out.keyed = (node.args[0].name, tuple(None if j == d or not isinstance(ix, fx.Node) else ix.name
+                                                      for j, ix in enumerate(indices)), d, od)
             continue
         if iav.const is not None and isinstance(iav.const, int) and iav.const >= 0:
             continue
