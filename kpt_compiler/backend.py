@@ -70,7 +70,7 @@ def _compile_id() -> str:
 
 
 def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager) -> Callable:
-    is_inference = not torch.is_grad_enabled()
+    is_inference = _is_inference(gm, example_inputs)
     pm.run_stage(gm, "pre_aot", is_inference=is_inference)
     if pm.defer_calls > 1 and not graph_utils.has_dynamic_sizes(gm):
         compiled = _Deferred(gm, pm, is_inference)
@@ -81,6 +81,15 @@ def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm
     if pm.call_hooks or pm.return_hooks:
         return _with_call_hooks(compiled, pm.call_hooks, pm.return_hooks)
     return compiled
+
+
+def _is_inference(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
+    """No backward can follow this graph: grad mode is off, or no input or parameter requires grad (AOTAutograd
+    then compiles it for inference as well; a static cache's update under grad mode is one)."""
+    if not torch.is_grad_enabled():
+        return True
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)] + list(gm.parameters())
+    return not any(t.requires_grad for t in tensors)
 
 
 def _emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager, is_inference: bool) -> Callable:

@@ -98,11 +98,8 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
             ctx.note(f"not captured: {why}")
             return False
     mutated = _mutated_inputs(gm)
-    if mutated and ctx.options.decide == "always":  # not yet shown right on the GPU: asked for only
+    if mutated:  # a static KV cache's update: Inductor's trees decline it (tokens as without graphs on the H100)
         return own_capture(ctx, mutated)
-    if mutated:
-        ctx.note("it writes into its inputs, which Inductor's trees decline unless they are static; our capture of "
-                 "such graphs runs under decide='always' until it has been shown on the GPU")
     # Inductor's refusals come in its log, at compile time or at the first call (cudagraph trees check the
     # inputs when they record): listened to until the first call is over, then put in this pass's notes
     listener = _SkipLog()

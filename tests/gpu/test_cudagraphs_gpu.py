@@ -58,16 +58,17 @@ def test_without_the_copy_each_output_is_right_until_the_next_call():
 
 
 def test_inductors_refusal_reaches_the_report():
-    def step(x):  # a host sync inside a graph Dynamo keeps whole: Inductor refuses to capture a CPU tensor
-        return x * 2 + torch.ones(4).sum()
+    def step(x):  # a CPU tensor made inside the graph: Inductor refuses to capture a graph with CPU nodes
+        return x * 2 + 4, torch.randn(4) * 3
 
     x = torch.randn(64, device="cuda")
     torch._dynamo.reset()
     f = torch.compile(step, backend="kernelpytorch")
     with torch.no_grad():
         for _ in range(3):
-            out = f(x)
+            out, cpu = f(x)
     torch.testing.assert_close(out, 2 * x + 4)
+    assert cpu.device.type == "cpu" and cpu.shape == (4,)
     rec = kpt_compiler.last_report().pass_record("cudagraphs")
     assert any("Inductor declined the capture" in n for n in rec.notes), rec.notes
 
