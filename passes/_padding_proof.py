@@ -167,8 +167,8 @@ class _Prover:
                 outputs = node.args[0]
             elif node.op == "get_attr":
                 t = getattr(self.gm, node.target, None)
-                self.env[node.name] = AV(tuple(_expr(s) for s in t.shape), concrete=t) \
-                    if isinstance(t, torch.Tensor) else None
+                self.env[node.name] = AV(tuple(_expr(s) for s in t.shape), concrete=t, const=t.item() if isinstance(
+                    t, torch.Tensor) and t.numel() == 1 else None) if isinstance(t, torch.Tensor) else None
         flat = outputs if isinstance(outputs, (list, tuple)) else [outputs]
         return [self.av(o) for o in flat]
 

@@ -128,7 +128,8 @@ class LowestMask(nn.Module):  # transformers' eager form: positions compared, ma
 
     def forward(self, x):
         i = torch.arange(x.shape[1])
-        mask = torch.where(self.keep(i[None, :, None], i[None, None, :]), 0.0, torch.finfo(x.dtype).min)
+        # a tensor 0.0, as transformers writes it on CUDA: a constant of the trace, read by its value
+        mask = torch.where(self.keep(i[None, :, None], i[None, None, :]), torch.tensor(0.0), torch.finfo(x.dtype).min)
         return ((x @ x.transpose(1, 2)) / 4 + mask).softmax(-1) @ x
 
 

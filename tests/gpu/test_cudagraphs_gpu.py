@@ -1,6 +1,7 @@
 """The cudagraphs pass on the GPU: a small inference graph is captured by default and replayed, its outputs
-stay valid after the next call (they are copied out of the pool), Inductor's own refusal reaches the report,
-and a large graph is left alone."""
+stay valid after the next call (they are copied out of the pool), a large graph is left alone, refusals name
+their reason. Inductor's own refusals reach the report through its log (tests/test_cudagraphs.py: on torch 2.11
+the H100 captured both graphs we built for Inductor to refuse, a CPU constant and a CPU random tensor)."""
 
 import pytest
 import torch
@@ -55,22 +56,6 @@ def test_without_the_copy_each_output_is_right_until_the_next_call():
             torch.testing.assert_close(f(x).clone(), model(x), rtol=2e-2, atol=2e-2)
     rec = kpt_compiler.last_report().pass_record("cudagraphs")
     assert rec.status == "applied" and not any("copied out" in n for n in rec.notes), rec.notes
-
-
-def test_inductors_refusal_reaches_the_report():
-    def step(x):  # a CPU tensor made inside the graph: Inductor refuses to capture a graph with CPU nodes
-        return x * 2 + 4, torch.randn(4) * 3
-
-    x = torch.randn(64, device="cuda")
-    torch._dynamo.reset()
-    f = torch.compile(step, backend="kernelpytorch")
-    with torch.no_grad():
-        for _ in range(3):
-            out, cpu = f(x)
-    torch.testing.assert_close(out, 2 * x + 4)
-    assert cpu.device.type == "cpu" and cpu.shape == (4,)
-    rec = kpt_compiler.last_report().pass_record("cudagraphs")
-    assert any("Inductor declined the capture" in n for n in rec.notes), rec.notes
 
 
 def test_a_large_graph_is_left_to_run_without_capture():
