@@ -9,15 +9,11 @@ graphs meet a few sizes only; the padding is zeros (False for bool inputs: an at
 hides the padding).
 
 It pads only where it proves from the graph that padding cannot change the real part of the outputs
-(passes/_padding_proof.py: rows independent along the padded dims, causal attention or a mask that hides the
-padded keys, no reduction across a padded dim), and it says why not where it cannot: per dimension, so a
-sequence it cannot prove still leaves the batch padded. The proof runs on the graph as the user wrote it
-(traced to ATen before the other passes rewrite it; their rewrites compute each row as before). Inference
-only: in training the padded positions would enter the loss and the gradients.
-
-At each call the real sizes are read from the inputs, rounded up to their buckets, and checked against the
-guards the compiled code was made under (a bucket past a guard, such as a maximum length, runs unpadded); the
-first call of each bucket is noted in the report.
+(passes/_padding_proof.py), and says why not where it cannot, per dimension. The proof runs on the graph as the
+user wrote it (traced to ATen before the other passes rewrite it; their rewrites compute each row as before).
+Inference only: in training the padded positions would enter the loss. Only calls a CUDA graph replays are
+padded (``pad="captured"``): others run at their own sizes through the same dynamic code. At each call the
+bucket is checked against the guards the compiled code was made under (one past a guard runs unpadded).
 """
 
 from __future__ import annotations
