@@ -174,7 +174,7 @@ def table(record: dict[str, Any]) -> str:
     lines = [
         f"# Changing input sizes: a stream of {s['calls']} inference calls on {record['card']}",
         "",
-        f"- date: {record.get('date', '?')}; commit: {record.get('commit') or 'unknown'}; torch {torch.__version__}",
+        f"- date: {record.get('date', '?')}; commit: {record.get('commit') or 'unknown'}; torch {record.get('torch') or torch.__version__}",
         f"- command: `{record['command']}`",
         f"- stream: seed {s['seed']}, batch uniform in [1, {s['max_batch']}], sequence uniform in "
         f"[1, {s['max_seq']}] ({s['distinct_sizes']} distinct sizes); token ids, no_grad, {record['dtype']}",
@@ -197,8 +197,9 @@ def table(record: dict[str, Any]) -> str:
                 return format(v, spec) + suffix if v is not None else "-"
 
             fell = r.get("fell_back")
+            at = f" (at {r['commit']})" if r.get("commit") and r["commit"] != record.get("commit") else ""
             lines.append("| " + " | ".join([
-                r["mode"], f("pass1_s", ".2f"), f("pass2_s", ".2f"), f("graphs", "d"), f("recompiles", "d"),
+                r["mode"] + at, f("pass1_s", ".2f"), f("pass2_s", ".2f"), f("graphs", "d"), f("recompiles", "d"),
                 ("yes: " + ", ".join(dict.fromkeys(fell)) if fell else "no") if fell is not None else "-",
                 f("peak_gib", ".2f"), f("max_rel_err", ".1e"),
                 f("pass1_vs_inductor", ".2f", "x"), f("pass2_vs_inductor", ".2f", "x"),

@@ -85,3 +85,20 @@ def test_append_keeps_the_rows_of_an_earlier_run_of_the_same_stream(tmp_path, mo
     assert record["rows"][2]["pass1_vs_inductor"] == 1.5 and " ; " in record["command"]
     with pytest.raises(SystemExit, match="another stream"):
         bench_shapes.main(base[:-4] + ["--calls", "6", "--out", str(tmp_path), "--modes", "kpt", "--append"])
+
+
+def test_runs_of_one_stream_merge_with_each_rows_commit(tmp_path):
+    from benchmarks import merge_shapes
+
+    base = {"stream": {"calls": 3}, "card": "c", "dtype": "bf16", "recompile_limit": 8}
+    a = {**base, "commit": "aaa", "date": "d1", "command": "x", "rows": [
+        {"model": "m", "mode": "inductor", "status": "ok", "pass1_s": 10.0, "pass2_s": 2.0},
+        {"model": "m", "mode": "kpt", "status": "ok", "pass1_s": 8.0, "pass2_s": 1.0}]}
+    b = {**base, "commit": "bbb", "date": "d2", "command": "y", "rows": [
+        {"model": "m", "mode": "kpt", "status": "ok", "pass1_s": 5.0, "pass2_s": 0.5}]}
+    merged = merge_shapes.merge([a, b])
+    kpt = next(r for r in merged["rows"] if r["mode"] == "kpt")
+    assert kpt["commit"] == "bbb" and kpt["pass1_vs_inductor"] == 0.5 and kpt["pass2_vs_inductor"] == 0.25
+    assert len(merged["rows"]) == 2
+    with pytest.raises(ValueError, match="stream or card"):
+        merge_shapes.merge([a, {**b, "card": "other"}])
