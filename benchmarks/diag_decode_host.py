@@ -1,0 +1,86 @@
+"""Usage: PYTHONPATH=. python3 -m benchmarks.diag_decode_host [auto|always|eager] (GPU).
+
+Where a decode token's wall time goes under kpt[cudagraphs-always] (issue 17: 2.6 ms/token vs 1.67 device):
+per generate(64), the host time inside the compiled forward, inside each kpt graph, and cProfile's top functions."""
+import cProfile
+import pstats
+import sys
+import time
+
+import torch
+
+import kpt_compiler
+import kpt_compiler.backend as KB
+from benchmarks.bench_decode import FULL, build_model
+
+mode = sys.argv[1] if len(sys.argv) > 1 else "always"
+stats = {}
+orig = KB._run_pipeline_and_emit
+
+
+def counted(gm, example_inputs, pm):
+    fn = orig(gm, example_inputs, pm)
+    key = f"graph{len(stats)}"
+    stats[key] = [0, 0.0]
+
+    def run(*a):
+        t = time.perf_counter()
+        out = fn(*a)
+        s = stats[key]
+        s[0] += 1
+        s[1] += time.perf_counter() - t
+        return out
+    return run
+
+
+KB._run_pipeline_and_emit = counted
+model = build_model(FULL, "cuda", torch.bfloat16)
+ids = torch.randint(0, 32000, (1, 16), device="cuda")
+forward = model.forward
+opts = {"cudagraphs": {"decide": "always"}} if mode == "always" else {}
+compiled = torch.compile(forward, backend="kernelpytorch", options=opts) if mode != "eager" else forward
+fwd = [0, 0.0]
+
+
+def timed_forward(*a, **k):
+    t = time.perf_counter()
+    out = compiled(*a, **k)
+    fwd[0] += 1
+    fwd[1] += time.perf_counter() - t
+    return out
+
+
+model.forward = timed_forward
+
+
+def gen(n):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    model.generate(ids, max_new_tokens=n, do_sample=False, cache_implementation="static")
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+with torch.no_grad():
+    for _ in range(2):
+        gen(64)
+    for s in stats.values():
+        s[:] = [0, 0.0]
+    fwd[:] = [0, 0.0]
+    t1 = gen(1)
+    f1 = list(fwd)
+    g1 = {k: list(v) for k, v in stats.items()}
+    tn = gen(64)
+    per = (tn - t1) / 63 * 1e3
+    print(f"MODE {mode}: {per:.3f} ms/token wall; forward host {(fwd[1] - 2 * f1[1]) / 63 * 1e3:.3f} ms/token "
+          f"({fwd[0] - 2 * f1[0]} calls)")
+    for k, (c, s) in stats.items():
+        c1, s1 = g1[k]
+        print(f"  {k}: {c - 2 * c1} calls, host {(s - 2 * s1) / 63 * 1e3:.3f} ms/token")
+    pr = cProfile.Profile()
+    pr.enable()
+    gen(64)
+    pr.disable()
+    st = pstats.Stats(pr)
+    st.sort_stats("cumulative").print_stats(28)
+    st.sort_stats("tottime").print_stats(15)
