@@ -9,7 +9,6 @@ import time
 
 import torch
 
-import kpt_compiler
 import kpt_compiler.backend as KB
 from benchmarks.bench_decode import FULL, build_model
 
