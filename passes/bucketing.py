@@ -363,7 +363,9 @@ def _trace(gm: fx.GraphModule, values: list[Any]) -> fx.GraphModule:
     env = _shape_env(values)
     # the Python dispatcher, as Dynamo and AOTAutograd trace with (without it torch 2.9 reads sizes as ints and
     # specializes the graph to them), and no guards: the proof reads the graph, the compile guards it
-    with fake_mode, torch.no_grad(), enable_python_dispatcher(), env.suppress_guards():
+    # a tracing context of that mode too: a tensor constant (torch.tensor(0.0)) is lifted into the context's mode
+    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), fake_mode, torch.no_grad(), \
+            enable_python_dispatcher(), env.suppress_guards():
         return make_fx(gm, tracing_mode="real")(*values)
 
 

@@ -169,6 +169,7 @@ def test_a_lowest_value_mask_without_a_visible_diagonal_keeps_the_sequence(keep)
 
 
 def test_transformers_eager_attention_pads_both_dims():
+    pytest.importorskip("transformers")
     from kpt_compiler.models import zoo
 
     for name in ("gpt2", "llama"):
