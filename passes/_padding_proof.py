@@ -30,9 +30,10 @@ from a padded size, an input mutated in place) fails the proof, and the failure 
 Values of the real computation are assumed finite (a real +inf meeting a -inf mask would give NaN unpadded too);
 values at padded positions are followed as finite or not (zeros stay finite through sums and products, a
 reciprocal or log of them need not), and "0 * x" or "x + -inf" count only for finite x. A mask's "hidden" is
-False or -inf; a finite value <= -1e4 (a dtype's lowest, as transformers' masks) only where every real row is
+False or -inf; a finite value <= -1e38 (a dtype's lowest, as transformers' masks) only where every real row is
 shown to see a real key (its diagonal: ``diag``), since it does not absorb a row whose every key it masks, and
-only while real scores stay within 1e4 - 104 of each other (so exp underflows to 0 in fp32 as it does unpadded).
+only at a float32/bfloat16 dtype's lowest (<= -1e38, not fp16's -65504) with partners within 1e30 (real
+values are assumed to be; constants are checked), so exp underflows to 0 in fp32 as it does unpadded.
 A dim merged from several whose padded factor is not the outermost has its real positions scattered: only
 row-wise ops may follow it before it is split again. A module's mask buffer is read when the proof runs; each
 call checks that it did not change since (bucketing.py). The review of 2026-11-26 found fifteen ways the first
@@ -82,6 +83,7 @@ class AV:
     # the value at [..., i, i] of the last two dims (equal lengths) for every real i: True in a causal mask, 0.0
     # once made additive, VISIBLE in scores: every real query then sees a real key, so a finite mask hides too
     diag: Any = None
+    masks: bool = False  # may hold a hiding value (<= HIDE) at real positions: a product of it is no score
     # an index result: (source, the other indices, source dim, out dim): the source read along out dim at the
     # positions of the source dim; two of them alike but for the out dim meet on the diagonal (eq: True there)
     keyed: tuple | None = None
@@ -101,8 +103,11 @@ def _syms(expr: Any, padded: frozenset) -> frozenset:
 
 
 NEG = float("-inf")
-HIDE = -1e4  # a finite mask value this low hides a key in a row that sees another: exp underflows to 0 in fp32
-VERY_NEG, VISIBLE = "-big", "seen"  # a value <= HIDE plus a real one; a real value a mask did not hide
+# a finite mask value this low (a float32 or bfloat16 dtype's lowest: transformers' masks) hides a key in a row
+# that sees another, whose values are at most SMALL: exp underflows to 0. fp16's -65504 does not qualify (real
+# scores may come near it); values past SMALL are not followed as real ones
+HIDE, SMALL = -1e38, 1e30
+VERY_NEG, VISIBLE = "-big", "seen"  # a value <= HIDE plus one within SMALL; a real value no mask hid
 
 
 def _is_neg(v: Any) -> bool:
@@ -117,15 +122,21 @@ def _hides(v: Any) -> bool:
 
 
 def _sees(v: Any) -> bool:
-    """A diagonal value a real row attends to: True (bool mask), a real score, a finite additive mask value."""
-    return v is True or v == VISIBLE or isinstance(v, (int, float)) and not isinstance(v, bool) and v > HIDE \
-        and v != float("inf")
+    """A diagonal value a real row attends to: True (bool mask), a real score, an additive mask value within
+    SMALL of 0."""
+    return v is True or v == VISIBLE or isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= SMALL
+
+
+def _small(v: Any) -> bool:
+    """A partner that leaves a hiding value hiding: a real value (assumed within SMALL) or a constant within it."""
+    return v in ("?", VISIBLE) or isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= SMALL
 
 
 class _Prover:
     def __init__(self, gm: fx.GraphModule, padded: frozenset, inputs: dict[str, AV]):
         self.gm, self.padded, self.env = gm, padded, {}
         self.inputs = inputs
+        self.big = _big_constant(gm)  # a constant past SMALL outside a mask's picked value: no finite masks
 
     # ------------------------------------------------------------------ helpers
     def av(self, x: Any) -> AV | None:
@@ -239,7 +250,7 @@ class _Prover:
 
     def keep_dims(self, x: AV, shape: tuple, mapping: dict[int, int]) -> AV:
         """An AV for a result whose dim o holds x's dim mapping[o] position for position."""
-        out = AV(shape, const=x.const, finite=x.finite, lower=x.lower)
+        out = AV(shape, const=x.const, finite=x.finite, lower=x.lower, masks=x.masks)
         n, m = len(shape), len(x.shape)
         if n >= 2 and m >= 2 and mapping.get(n - 2) == m - 2 and mapping.get(n - 1) == m - 1:
             out.diag = x.diag
@@ -285,8 +296,38 @@ class _Prover:
 
     def sees_diagonal(self, x: AV, rows: Any, cols: Any) -> bool:
         """Every real row of x's last two dims (rows x cols, padded alike) has a key it sees: its diagonal."""
-        return x is not None and len(x.shape) >= 2 and _sees(x.diag) and all(
+        return x is not None and self.big is None and len(x.shape) >= 2 and _sees(x.diag) and all(
             sympy.simplify(a - cols) == 0 for a in (rows, x.shape[-1], x.shape[-2]))
+
+
+def _big_constant(gm: fx.GraphModule) -> str | None:
+    """The first constant of the graph beyond SMALL (infinities too) used otherwise than as the value a mask
+    picks (where's branches, masked_fill's value, or a full / scalar_tensor / one-element constant read only
+    there), or None. Such a constant can make values past SMALL, which finite masks need not hide."""
+    def picked(node: fx.Node, i: int) -> bool:
+        packet = getattr(node.target, "overloadpacket", None)
+        return packet is aten.where and i in (1, 2) or packet is aten.masked_fill and i == 2
+
+    def big(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) > SMALL
+
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            t = getattr(gm, node.target, None)
+            values = [t.item()] if isinstance(t, torch.Tensor) and t.numel() == 1 else []
+        elif node.op == "call_function" and getattr(node.target, "overloadpacket", None) in (aten.full,
+                                                                                            aten.scalar_tensor):
+            values = [a for a in node.args if isinstance(a, (int, float))]
+        else:
+            values = []
+        if any(big(v) for v in values) and not all(
+                picked(u, i) for u in node.users for i, a in enumerate(u.args) if a is node):
+            return node.name
+        for i, a in enumerate(_flat_args(node) if node.op == "call_function" else ()):
+            if big(a) and not picked(node, i) and getattr(node.target, "overloadpacket", None) not in (
+                    aten.full, aten.scalar_tensor):
+                return node.name
+    return None
 
 
 def _flat_args(node: fx.Node) -> list[Any]:

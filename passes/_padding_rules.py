@@ -8,7 +8,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ._padding_proof import AV, NEG, VERY_NEG, VISIBLE, _dim, _hides, _is_neg, _Prover, _sees, _syms
+from ._padding_proof import SMALL, AV, NEG, VERY_NEG, VISIBLE, _dim, _hides, _is_neg, _Prover, _sees, _small, _syms
 
 aten = torch.ops.aten
 
@@ -56,6 +56,8 @@ def _broadcast_value(p: _Prover, a: Any, out_ndim: int, d: int, shape: tuple) ->
     if av.const is not None:
         return av.const
     ad = d - (out_ndim - len(av.shape))
+    if av.masks and ad >= 0 and ad not in av.fill:  # a mask's value there may be its hiding one, far past SMALL
+        return UNBOUNDED
     if ad < 0 or not _syms(av.shape[ad], p.padded):
         return UNKNOWN  # broadcast along d, or not padded there: a real value
     return av.fill.get(ad, UNKNOWN if av.finite else UNBOUNDED)
@@ -69,7 +71,8 @@ def _combine(op, values: list[Any], kwargs: dict | None = None, dtypes: list | N
         return UNKNOWN  # add/sub with alpha: not followed
     packet = op.overloadpacket
     if any(v in (VERY_NEG, VISIBLE) for v in values):  # markers, not numbers: only these ops keep them
-        return _markers(packet, values)
+        to = kwargs.get("dtype")
+        return _markers(packet, values) if to is None or to.is_floating_point else UNKNOWN
     if all(v not in (UNKNOWN, UNBOUNDED) for v in values):
         kwargs = {k: v for k, v in kwargs.items() if k == "dtype"}
         dtypes = dtypes or [None] * len(values)
@@ -110,25 +113,23 @@ def _markers(packet, values: list[Any]) -> Any:
         return values[1] if values[0] else values[2]
     if packet in _KEEP:
         return values[0]
-    finite = all(v not in (UNBOUNDED, NEG, float("inf")) and not isinstance(v, bool) for v in values)
-    if packet is aten.add and finite:
-        return VERY_NEG if any(_hides(v) for v in values) else VISIBLE if all(_sees(v) for v in values) else UNKNOWN
-    if packet is aten.sub and finite and len(values) == 2:
-        return VERY_NEG if _hides(values[0]) and not _hides(values[1]) else VISIBLE if all(
-            _sees(v) for v in values) else UNKNOWN
-    if packet in (aten.mul, aten.div) and values[0] == VISIBLE and len(values) == 2 and isinstance(
-            values[1], (int, float)) and not isinstance(values[1], bool) and values[1] not in (0, float("inf")):
+    if packet in (aten.add, aten.sub) and len(values) == 2:
+        hide = _hide(values, packet)
+        return hide if hide != UNKNOWN else VISIBLE if all(_sees(v) for v in values) else UNKNOWN
+    if packet in (aten.mul, aten.div) and values[0] == VISIBLE and len(values) == 2 and _small(values[1]) \
+            and values[1] not in (0, "?", VISIBLE) and (packet is aten.mul or abs(values[1]) >= 1 / SMALL):
         return VISIBLE  # scores times a scale
     return UNKNOWN
 
 
 def _hide(values: list[Any], packet) -> Any:
-    """A hiding mask value (finite, <= -1e4) plus a real one stays hiding: VERY_NEG."""
-    if packet is aten.add and any(_hides(v) for v in values) and all(
-            v not in (UNBOUNDED, NEG) and not isinstance(v, bool) for v in values):
+    """A hiding mask value (finite, <= HIDE) plus or minus one within SMALL stays hiding: VERY_NEG."""
+    if len(values) != 2:
+        return UNKNOWN
+    a, b = values
+    if packet is aten.add and (_hides(a) and _small(b) or _hides(b) and _small(a)):
         return VERY_NEG
-    if packet is aten.sub and len(values) == 2 and _hides(values[0]) and values[1] not in (UNBOUNDED, NEG) \
-            and not _hides(values[1]) and not isinstance(values[1], bool):
+    if packet is aten.sub and _hides(a) and _small(b):
         return VERY_NEG
     return UNKNOWN
 
@@ -170,6 +171,7 @@ def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
         if v not in (UNKNOWN, UNBOUNDED, VISIBLE):
             out.fill[d] = v
     out.diag = _diagonal(p, node, shape, dtypes)
+    out.masks = any(p.av(a).masks or _hides(p.av(a).const) for a in tensors) or any(_hides(a) for a in node.args)
     packet = node.target.overloadpacket
     out.finite, out.lower = _finite(p, node, packet, tensors, out)
     # position tensors: arange + c stays a position; a comparison of two positions is a causal mask
@@ -363,7 +365,8 @@ def _contract(p: _Prover, node: fx.Node, a: AV, b: AV, ka: int, kb: int, shape: 
 def _mm(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     a, b = p.av(node.args[0]), p.av(node.args[1])
     out = _contract(p, node, a, b, len(a.shape) - 1, len(b.shape) - 2, shape)
-    out.diag = VISIBLE if _square(p, shape) else None  # scores: real values, which no mask has hidden yet
+    # scores: real values no mask has hidden yet (a product of masks is none)
+    out.diag = VISIBLE if _square(p, shape) and not (a.masks or b.masks) else None
     return out
 
 
