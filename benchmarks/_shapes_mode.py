@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import time
 from typing import Any
 
@@ -86,6 +87,14 @@ def _kpt_passes() -> dict[str, dict[str, Any]]:
     return found
 
 
+def pool_mib(notes_per_graph: list[list[str]]) -> float | None:
+    """The CUDA graphs' pool our captures hold at the end, from the cudagraphs pass's notes (each capture notes
+    "X MiB in all" for its graph's pool); summed over graphs, None where nothing was captured."""
+    sizes = [max(float(m) for n in notes for m in re.findall(r"([\d.]+) MiB in all", n))
+             for notes in notes_per_graph if any("MiB in all" in n for n in notes)]
+    return round(sum(sizes), 1) if sizes else None
+
+
 def run_one(args: argparse.Namespace, mode: str, model_name: str) -> dict[str, Any]:
     """One (model, mode) in this process: what the parent gets back as the row."""
     from torch._dynamo import utils as dynamo_utils
@@ -160,6 +169,8 @@ def run_one(args: argparse.Namespace, mode: str, model_name: str) -> dict[str, A
         if kwargs["backend"] == "kernelpytorch":
             row["kpt_graphs"] = len(kpt_compiler.reports())
             row["kpt_passes"] = _kpt_passes()
+            row["pool_mib"] = pool_mib([p.notes for r in kpt_compiler.reports() for p in r.passes()
+                                        if p.name == "cudagraphs"])
     return row
 
 

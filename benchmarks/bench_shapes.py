@@ -188,9 +188,9 @@ def table(record: dict[str, Any]) -> str:
     for model in dict.fromkeys(r["model"] for r in record["rows"]):
         rows = [r for r in record["rows"] if r["model"] == model]
         lines += ["", f"## {model}", "",
-                  "| mode | pass-1 s | pass-2 s | graphs | recompiles | fell back to eager | peak GiB | max rel err "
-                  "| pass-1 vs Inductor | pass-2 vs Inductor | status |",
-                  "|" + " --- |" * 11]
+                  "| mode | pass-1 s | pass-2 s | graphs | recompiles | fell back to eager | peak GiB | graphs' pool MiB "
+                  "| max rel err | pass-1 vs Inductor | pass-2 vs Inductor | status |",
+                  "|" + " --- |" * 12]
         for r in rows:
             def f(key: str, spec: str, suffix: str = "") -> str:
                 v = r.get(key)
@@ -201,7 +201,7 @@ def table(record: dict[str, Any]) -> str:
             lines.append("| " + " | ".join([
                 r["mode"] + at, f("pass1_s", ".2f"), f("pass2_s", ".2f"), f("graphs", "d"), f("recompiles", "d"),
                 ("yes: " + ", ".join(dict.fromkeys(fell)) if fell else "no") if fell is not None else "-",
-                f("peak_gib", ".2f"), f("max_rel_err", ".1e"),
+                f("peak_gib", ".2f"), f("pool_mib", ".0f"), f("max_rel_err", ".1e"),
                 f("pass1_vs_inductor", ".2f", "x"), f("pass2_vs_inductor", ".2f", "x"),
                 r["status"].replace("|", "/")[:200]]) + " |")
         kpt = [r for r in rows if "kpt_passes" in r]

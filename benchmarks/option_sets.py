@@ -22,4 +22,6 @@ OPTION_SETS: dict[str, dict] = {
     "fusion-measure": {"fusion": {"decide": "measure"}},  # decisions timed on the device at compile time
     "bucketing": {"bucketing": True},  # varying sizes padded to a few buckets: fewer graphs for a stream of sizes
     "bucketing+cudagraphs": {"bucketing": True, "cudagraphs": True},  # the buckets captured as CUDA graphs
+    # the same with the graphs' pool capped: the memory bound issue 17 asks to show
+    "bucketing+cudagraphs-cap256": {"bucketing": True, "cudagraphs": {"max_pool_mb": 256}},
 }

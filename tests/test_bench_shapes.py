@@ -102,3 +102,14 @@ def test_runs_of_one_stream_merge_with_each_rows_commit(tmp_path):
     assert len(merged["rows"]) == 2
     with pytest.raises(ValueError, match="stream or card"):
         merge_shapes.merge([a, {**b, "card": "other"}])
+
+
+def test_the_graphs_pool_is_read_from_the_capture_notes():
+    from benchmarks._shapes_mode import pool_mib
+
+    notes = [["bucket s0=4: captured (10.0 MiB more in the graphs' pool, 10.0 MiB in all)",
+              "bucket s0=8: captured (22.5 MiB more in the graphs' pool, 32.5 MiB in all)"],
+             ["not captured: too big"],
+             ["bucket (one shape): captured (18.0 MiB more in the graphs' pool, 18.0 MiB in all)"]]
+    assert pool_mib(notes) == 50.5
+    assert pool_mib([["not captured: too big"]]) is None
