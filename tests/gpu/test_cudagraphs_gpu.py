@@ -6,6 +6,7 @@ the H100 captured both graphs we built for Inductor to refuse, a CPU constant an
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import kpt_compiler
 
@@ -115,6 +116,20 @@ def test_a_memory_cap_stops_the_captures_and_the_report_says_so():
     notes = report.pass_record("cudagraphs").notes
     # the first capture grows the pool past the cap and is let go; the calls still come out right (checked above)
     assert any("capture released" in n and "max_pool_mb" in n for n in notes), notes
+
+
+def test_a_bucket_auto_declines_runs_at_its_own_sizes(monkeypatch):
+    import types
+
+    import kpt_compiler.passes.bucketing as bk
+
+    pads = []
+    monkeypatch.setattr(bk, "F", types.SimpleNamespace(pad=lambda t, p: pads.append(p) or F.pad(t, p)))
+    sizes = [(3, 50), (4, 60), (2, 33)]  # no graph pays under a bound of a nanosecond: nothing padded
+    report = _bucketed_calls({"bucketing": True, "cudagraphs": {"launch_bound_ms": 1e-6}}, sizes)
+    notes = report.pass_record("cudagraphs").notes
+    assert any("not captured, its calls run unpadded" in n for n in notes), notes
+    assert not pads
 
 
 def test_without_bucketing_a_dynamic_graph_is_refused_with_the_way_out():
