@@ -30,10 +30,10 @@ from a padded size, an input mutated in place) fails the proof, and the failure 
 Values of the real computation are assumed finite (a real +inf meeting a -inf mask would give NaN unpadded too);
 values at padded positions are followed as finite or not (zeros stay finite through sums and products, a
 reciprocal or log of them need not), and "0 * x" or "x + -inf" count only for finite x. A mask's "hidden" is
-False or -inf; a finite value <= -1e38 (a dtype's lowest, as transformers' masks) only where every real row is
-shown to see a real key (its diagonal: ``diag``), since it does not absorb a row whose every key it masks, and
-only at a float32/bfloat16 dtype's lowest (<= -1e38, not fp16's -65504) with partners within 1e30 (real
-values are assumed to be; constants are checked), so exp underflows to 0 in fp32 as it does unpadded.
+False or -inf; or a float32/bfloat16 dtype's lowest (<= -1e38, as transformers' masks; not fp16's -65504) only
+where every real row is shown to see a real key (its diagonal: ``diag``), since it does not absorb a row whose
+every key it masks, and with partners within 1e30 (real values are assumed to be; constants are checked), so
+exp underflows to 0 in fp32 as it does unpadded.
 A dim merged from several whose padded factor is not the outermost has its real positions scattered: only
 row-wise ops may follow it before it is split again. A module's mask buffer is read when the proof runs; each
 call checks that it did not change since (bucketing.py). The review of 2026-11-26 found fifteen ways the first
@@ -108,6 +108,7 @@ NEG = float("-inf")
 # scores may come near it); values past SMALL are not followed as real ones
 HIDE, SMALL = -1e38, 1e30
 VERY_NEG, VISIBLE = "-big", "seen"  # a value <= HIDE plus one within SMALL; a real value no mask hid
+UNKNOWN, UNBOUNDED = "?", "?inf"  # a value not known (finite), one not known to be finite
 
 
 def _is_neg(v: Any) -> bool:
@@ -129,7 +130,7 @@ def _sees(v: Any) -> bool:
 
 def _small(v: Any) -> bool:
     """A partner that leaves a hiding value hiding: a real value (assumed within SMALL) or a constant within it."""
-    return v in ("?", VISIBLE) or isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= SMALL
+    return v in (UNKNOWN, VISIBLE) or isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= SMALL
 
 
 class _Prover:
@@ -292,7 +293,6 @@ class _Prover:
                 self.fail(node, "attention over padded keys without a causal flag or a mask that hides them"
                           + ("" if k.finite and v.finite else " (or keys and values not known finite there)"), ks)
         return AV(shape)
-
 
     def sees_diagonal(self, x: AV, rows: Any, cols: Any) -> bool:
         """Every real row of x's last two dims (rows x cols, padded alike) has a key it sees: its diagonal."""

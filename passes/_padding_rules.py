@@ -8,7 +8,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ._padding_proof import SMALL, AV, NEG, VERY_NEG, VISIBLE, _dim, _hides, _is_neg, _Prover, _sees, _small, _syms
+from ._padding_proof import (SMALL, UNBOUNDED, UNKNOWN, AV, NEG, VERY_NEG, VISIBLE, _dim, _hides, _is_neg, _Prover,
+                             _sees, _small, _syms)
 
 aten = torch.ops.aten
 
@@ -41,7 +42,6 @@ _UNBOUNDED = {aten.div, aten.reciprocal, aten.log, aten.log1p, aten.rsqrt, aten.
               aten.expm1, aten.tan, aten.atan2, aten.fmod, aten.remainder, aten.floor_divide, aten.lerp,
               aten.addcdiv, aten.softplus}
 _NEUTRAL = {"sum": 0, "max": NEG, "any": False}
-UNKNOWN, UNBOUNDED = "?", "?inf"  # a value not known (finite), one not known to be finite
 
 
 def _broadcast_value(p: _Prover, a: Any, out_ndim: int, d: int, shape: tuple) -> Any:
@@ -325,7 +325,8 @@ def _softmax(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     pd = p.pdims(x)
     p.in_order(node, x, d, "softmax over")
     out = p.keep_dims(x, shape, {o: o for o in range(len(shape)) if o != d})
-    out.pos, out.const, out.fill, out.lower = {}, None, {}, None  # along other dims: a softmax of the row
+    # along other dims: a softmax of the row (weights in [0, 1]: no mask value left in them)
+    out.pos, out.const, out.fill, out.lower, out.masks = {}, None, {}, None, False
     if d in pd:
         f = x.fill.get(d, "?")
         hidden = _hides(f) and d == len(shape) - 1 and p.sees_diagonal(x, x.shape[-2], x.shape[-1])
