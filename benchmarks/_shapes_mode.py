@@ -87,6 +87,9 @@ def _kpt_passes() -> dict[str, dict[str, Any]]:
     return found
 
 
+_COMPILED_AT = re.compile(r"compiled at call \d+ \((\d+) ms\)")
+
+
 def pool_mib(notes_per_graph: list[list[str]]) -> float | None:
     """The CUDA graphs' pool our captures hold at the end, from the cudagraphs pass's notes (each capture notes
     "X MiB in all" for its graph's pool); summed over graphs, None where nothing was captured."""
@@ -166,9 +169,14 @@ def run_one(args: argparse.Namespace, mode: str, model_name: str) -> dict[str, A
         row["recompiles"] = len(reasons)
         row["recompile_reasons"] = list(dict.fromkeys(r[:200] for r in reasons))[:5]
         row["fell_back"] = hits.hits
+        # where pass 1's time went: each frame compile's seconds (Dynamo's metrics), and for kpt the compiles
+        # it deferred to a later call (they run inside a call, outside Dynamo's count)
+        row["compile_s"] = [round(getattr(m, "entire_frame_compile_time_s", None) or 0.0, 1) for m in metrics]
         if kwargs["backend"] == "kernelpytorch":
             row["kpt_graphs"] = len(kpt_compiler.reports())
             row["kpt_passes"] = _kpt_passes()
+            row["deferred_compile_s"] = [round(float(m.group(1)) / 1e3, 1) for r in kpt_compiler.reports()
+                                         for note in r.notes if (m := _COMPILED_AT.match(note))]
             row["pool_mib"] = pool_mib([p.notes for r in kpt_compiler.reports() for p in r.passes()
                                         if p.name == "cudagraphs"])
     return row

@@ -208,6 +208,12 @@ def table(record: dict[str, Any]) -> str:
         if kpt:
             lines += ["", "kpt passes (graphs per status; first reason or note):"]
             lines += [f"- {r['mode']}: {_kpt_line(r['kpt_passes'])}" for r in kpt]
+        timed = [r for r in rows if r.get("compile_s")]
+        if timed:
+            lines += ["", "compile seconds per frame compile (Dynamo's count), then kpt's deferred compiles:"]
+            lines += [f"- {r['mode']}: {', '.join(format(t, 'g') for t in r['compile_s'])}"
+                      + (f"; deferred: {', '.join(format(t, 'g') for t in r['deferred_compile_s'])}"
+                         if r.get("deferred_compile_s") else "") for r in timed]
     return "\n".join(lines)
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import operator
 from typing import Any, Literal
 
 import torch
@@ -236,19 +237,55 @@ def _gated_sdpa(run: _Run, at: fx.Node, planned: Call, original: Call | None,
     return fused, f" ({d.why})" if d.why and run.how != "always" else ""
 
 
-def _dense_last_dim(run: _Run, mask: fx.Node) -> fx.Node:
-    """On CUDA, ``mask`` itself if its last dimension has stride 1, else one contiguous copy of it (made once
-    per mask, right after it, for every call that reads it): every fused SDPA kernel needs stride 1 there."""
+def _dense_last_dim(run: _Run, mask: fx.Node, probe: bool = False) -> fx.Node | None:
+    """On CUDA, ``mask`` laid out as the fused SDPA kernels read it, made once per mask right after it for
+    every call that reads it: itself if its last dimension has stride 1 and a static size; one contiguous
+    copy where that stride is not 1; rows padded to a multiple of 8 where the size is dynamic. ``probe``: only
+    whether it would be ``mask`` itself (None where it would not), emitting nothing."""
     val = ir.example_value(mask)
-    if not run.ctx.target.is_cuda or val.dim() == 0 or not isinstance(val.stride(-1), int) or val.stride(-1) == 1 \
-            or val.shape[-1] == 1:
+    if not run.ctx.target.is_cuda or val.dim() == 0:
         return mask
+    dynamic = val.dim() in (3, 4) and isinstance(val.shape[-1], torch.SymInt)
+    dense = not isinstance(val.stride(-1), int) or val.stride(-1) == 1 or val.shape[-1] == 1
+    if dense and not dynamic:
+        return mask
+    if probe:
+        return None
     if mask not in run.contiguous:
+        if dynamic:
+            run.contiguous[mask] = _aligned_rows(run.gm.graph, mask)
+            run.ctx.note(f"{mask.name}: the mask's last dimension is dynamic; Inductor's SDPA lowering would "
+                         "guard its rows' alignment to 8 (one compile per residue), so the call reads rows padded "
+                         "to a multiple of 8")
+            return run.contiguous[mask]
         with run.gm.graph.inserting_after(mask):
             run.contiguous[mask] = ir.emit(run.gm.graph, torch.Tensor.contiguous, (mask,), like=mask)
         run.ctx.note(f"{mask.name}: the mask's last dimension has stride {val.stride(-1)}; the fused SDPA kernels "
                      "need 1, so the call reads a contiguous copy")
     return run.contiguous[mask]
+
+
+def _aligned_rows(graph: fx.Graph, mask: fx.Node) -> fx.Node:
+    """``mask`` as a view of a copy whose rows are padded to a multiple of 8 elements: the strides are then
+    multiples of 8 for every size, which the SDPA kernels need and Inductor proves without a guard. (Inductor
+    pads an unaligned mask itself, but first guards on whether the dynamic size is aligned: a graph compiled
+    at an aligned length recompiles for the others.) ``as_strided`` makes Inductor keep the padded buffer."""
+    val = ir.example_value(mask)
+    last = val.dim() - 1
+    chain = [mask]
+
+    def add(fn, *args):
+        with graph.inserting_after(chain[-1]):
+            chain.append(ir.emit(graph, fn, args, like=mask))
+        return chain[-1]
+
+    sizes = [add(torch.ops.aten.sym_size.int, mask, d) if isinstance(s, torch.SymInt) else s
+             for d, s in enumerate(val.shape)]
+    n = sizes[last]
+    padding = add(operator.sub, add(operator.mul, add(operator.floordiv, add(operator.add, n, 7), 8), 8), n)
+    padded = add(torch.Tensor.contiguous, add(F.pad, mask, (0, padding)))
+    strides = [add(torch.ops.aten.sym_stride.int, padded, d) for d in range(last)] + [1]
+    return add(torch.as_strided, padded, sizes, strides)
 
 
 def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
@@ -293,7 +330,7 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
             found = f"a constant {form.kind} mask FlexAttention cannot take {flex_why} (kept dense)"
         else:
             found = "a constant mask with no structure the kernels skip (kept exact)"
-    if planned.mask is mask and (not ctx.target.is_cuda or mv.stride(-1) == 1 or mv.shape[-1] == 1):
+    if planned.mask is mask and _dense_last_dim(run, mask, probe=True) is mask:
         ctx.note(f"{node.name}: SDPA call, {found}: nothing to change")
         return False
     with gm.graph.inserting_before(node):

@@ -179,3 +179,35 @@ def test_the_backend_probe_asks_the_dispatcher():
     call = gate.Call(*nodes, dropout=0.0, causal=False, scale=None)
     assert gate.backend(call, torch.device("cpu"), None) == torch.nn.attention.SDPBackend(
         torch._fused_sdp_choice(q, q, q, torch.ones(L, L, dtype=torch.bool), 0.0, False, scale=None)).name
+
+
+def test_a_mask_of_dynamic_length_is_read_through_rows_padded_to_8_on_cuda(as_if_on_an_h100, monkeypatch):
+    # Inductor's SDPA lowering guards a dynamic mask's row stride % 8 (a compile per residue); rows padded to
+    # a multiple of 8 are aligned at every length. The values the call reads are the mask's own.
+    from kpt_compiler.passes import attention
+
+    made = []
+    aligned_rows = attention._aligned_rows
+    monkeypatch.setattr(attention, "_aligned_rows", lambda *a: made.append(aligned_rows(*a)) or made[-1])
+
+    def fn(q, k, v, bias):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+
+    compiled = torch.compile(fn, backend="kernelpytorch", options={"codegen": "eager", "fusion": False})
+    g = torch.Generator().manual_seed(1)
+    for n in (L, L + 4):  # the second length makes Dynamo compile a graph dynamic in it
+        q, k, v = (torch.randn(B, H, n, D, generator=g) for _ in range(3))
+        bias = torch.randn(B, 1, n, n, generator=g)
+        out = compiled(q, k, v, bias)
+        ref = fn(*(t.double() for t in (q, k, v, bias)))
+        assert relative_error(out, ref) < TOL
+    report = kpt_compiler.last_report()
+    rec, ops = report.pass_record("attention"), report.stages["pre_aot"].ops_after
+    assert rec.matches == 1 and ops.get("as_strided", 0) == 1 and ops.get("pad", 0) == 1, (rec.notes, ops)
+    assert any("padded to a multiple of 8" in n for n in rec.notes), rec.notes
+    assert len(made) == 1 and made[0].target is torch.as_strided
+    strides = made[0].meta["example_value"].stride()
+    assert all(isinstance(s, torch.SymInt) for s in strides[:-1]), strides
+    for n in (5, 8, 13, 100):  # every stride but the last is a multiple of 8 at any length
+        assert all(int(s.node.expr.subs({sym: n for sym in s.node.expr.free_symbols})) % 8 == 0
+                   for s in strides[:-1]), strides

@@ -208,3 +208,29 @@ def test_decide_measure_times_the_call_against_what_runs_instead(tmp_path, monke
         ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
         assert relative_error(out.float(), ref) < 1e-2
     assert (tmp_path / "decisions.json").exists()
+
+
+def test_a_mask_of_dynamic_length_compiles_once_for_every_length():
+    # Inductor's SDPA lowering guards a dynamic mask's row stride % 8, so a graph compiled at an aligned length
+    # recompiled for the other residues; the pass reads rows padded to a multiple of 8 instead
+    from torch._dynamo.utils import counters
+
+    def fn(q, k, v, keep):  # one mask from the inputs, realized once for two attention calls
+        bias = torch.where(keep[:, None, None, :], 0.0, -1e9).to(q.dtype).expand(-1, 1, q.shape[-2], -1)
+        bias = bias + torch.zeros_like(bias)
+        x = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return torch.nn.functional.scaled_dot_product_attention(x, k, v, attn_mask=bias)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, backend="kernelpytorch")
+    for n in (16, 24, 13, 21, 7, 40):
+        q, k, v = _bf16(B=2, H=4, L=n)
+        keep = torch.rand(2, n, device="cuda") > 0.3
+        keep[:, 0] = True
+        out = compiled(q, k, v, keep)
+        ref = fn(q.float(), k.float(), v.float(), keep)
+        assert relative_error(out.float(), ref) < 2e-2, n
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert any("padded to a multiple of 8" in note for note in rec.notes), rec.notes
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the first lengths, then dynamic
