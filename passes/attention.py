@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import operator
 from typing import Any, Literal
 
 import torch
@@ -255,8 +254,8 @@ def _dense_last_dim(run: _Run, mask: fx.Node, probe: bool = False) -> fx.Node | 
         if dynamic:
             run.contiguous[mask] = _aligned_rows(run.gm.graph, mask)
             run.ctx.note(f"{mask.name}: the mask's last dimension is dynamic; Inductor's SDPA lowering would "
-                         "guard its rows' alignment to 8 (one compile per residue), so the call reads rows padded "
-                         "to a multiple of 8")
+                         "guard its rows' alignment to 8 (a graph compiled at an aligned length recompiles for the "
+                         "others), so the call reads rows padded to a multiple of 8 (kpt::pad_rows)")
             return run.contiguous[mask]
         with run.gm.graph.inserting_after(mask):
             run.contiguous[mask] = ir.emit(run.gm.graph, torch.Tensor.contiguous, (mask,), like=mask)
@@ -266,26 +265,18 @@ def _dense_last_dim(run: _Run, mask: fx.Node, probe: bool = False) -> fx.Node | 
 
 
 def _aligned_rows(graph: fx.Graph, mask: fx.Node) -> fx.Node:
-    """``mask`` as a view of a copy whose rows are padded to a multiple of 8 elements: the strides are then
-    multiples of 8 for every size, which the SDPA kernels need and Inductor proves without a guard. (Inductor
-    pads an unaligned mask itself, but first guards on whether the dynamic size is aligned: a graph compiled
-    at an aligned length recompiles for the others.) ``as_strided`` makes Inductor keep the padded buffer."""
+    """``mask`` read through a copy whose rows are padded to a multiple of 8 elements (kernels/aligned_rows.py
+    says why an opaque op, and why the padding is never zero)."""
+    from kpt_compiler.kernels import aligned_rows
+
     val = ir.example_value(mask)
-    last = val.dim() - 1
-    chain = [mask]
-
-    def add(fn, *args):
-        with graph.inserting_after(chain[-1]):
-            chain.append(ir.emit(graph, fn, args, like=mask))
-        return chain[-1]
-
-    sizes = [add(torch.ops.aten.sym_size.int, mask, d) if isinstance(s, torch.SymInt) else s
-             for d, s in enumerate(val.shape)]
-    n = sizes[last]
-    padding = add(operator.sub, add(operator.mul, add(operator.floordiv, add(operator.add, n, 7), 8), 8), n)
-    padded = add(torch.Tensor.contiguous, add(F.pad, mask, (0, padding)))
-    strides = [add(torch.ops.aten.sym_stride.int, padded, d) for d in range(last)] + [1]
-    return add(torch.as_strided, padded, sizes, strides)
+    op = aligned_rows.op(val.requires_grad)
+    with graph.inserting_after(mask):
+        n = ir.emit(graph, torch.ops.aten.sym_size.int, (mask, val.dim() - 1), like=mask)
+    with graph.inserting_after(n):
+        padded = ir.emit(graph, op, (mask,), like=mask)
+    with graph.inserting_after(padded):
+        return ir.emit(graph, torch.narrow, (padded, -1, 0, n), like=mask)
 
 
 def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
