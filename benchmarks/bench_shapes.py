@@ -109,7 +109,7 @@ def _spawn(args: argparse.Namespace, mode: str, model_name: str) -> dict[str, An
     cmd = [sys.executable, "-m", "benchmarks.bench_shapes", "--one-mode", mode, "--models", model_name,
            "--device", args.device, "--calls", str(args.calls), "--seed", str(args.seed),
            "--max-batch", str(args.max_batch), "--max-seq", str(args.max_seq),
-           "--check-every", str(args.check_every), "--result-file", result]
+           "--check-every", str(args.check_every), "--pass2-repeats", str(args.pass2_repeats), "--result-file", result]
     cmd += (["--attn", args.attn] if args.attn else []) + (["--tiny"] if args.tiny else [])
     cmd += ["--kpt-codegen", args.kpt_codegen] if args.kpt_codegen else []
     tail: collections.deque[str] = collections.deque(maxlen=20)
@@ -179,7 +179,7 @@ def table(record: dict[str, Any]) -> str:
         f"- stream: seed {s['seed']}, batch uniform in [1, {s['max_batch']}], sequence uniform in "
         f"[1, {s['max_seq']}] ({s['distinct_sizes']} distinct sizes); token ids, no_grad, {record['dtype']}",
         "- each mode in a fresh process with empty Inductor/Triton cache folders; pass 1: the stream, compiles "
-        "included; pass 2: the same stream again; Dynamo's defaults (recompile_limit "
+        "included; pass 2: the same stream again, repeated (median [min, max] where repeated); Dynamo's defaults (recompile_limit "
         f"{record['recompile_limit']}); fell back: Dynamo hit that limit and runs the frame eagerly",
         f"- max rel err: ||out - eager|| / ||eager|| over every {s['check_every']}th call of both passes (eager in "
         f"{record['dtype']}, computed before compiling); checks are outside the timed spans",
@@ -199,7 +199,7 @@ def table(record: dict[str, Any]) -> str:
             fell = r.get("fell_back")
             at = f" (at {r['commit']})" if r.get("commit") and r["commit"] != record.get("commit") else ""
             lines.append("| " + " | ".join([
-                r["mode"] + at, f("pass1_s", ".2f"), f("pass2_s", ".2f"), f("graphs", "d"), f("recompiles", "d"),
+                r["mode"] + at, f("pass1_s", ".2f"), _pass2(r), f("graphs", "d"), f("recompiles", "d"),
                 ("yes: " + ", ".join(dict.fromkeys(fell)) if fell else "no") if fell is not None else "-",
                 f("peak_gib", ".2f"), f("pool_mib", ".0f"), f("max_rel_err", ".1e"),
                 f("pass1_vs_inductor", ".2f", "x"), f("pass2_vs_inductor", ".2f", "x"),
@@ -217,6 +217,13 @@ def table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _pass2(row: dict) -> str:
+    runs = row.get("pass2_runs_s") or []
+    if row.get("pass2_s") is None:
+        return "-"
+    return f"{row['pass2_s']:.2f}" + (f" [{min(runs):.2f}, {max(runs):.2f}]" if len(runs) > 1 else "")
+
+
 def _parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_shapes", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt2", help=f"comma-separated subset of: {', '.join(MODELS)}")
@@ -228,6 +235,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-seq", type=int, default=2048)
     p.add_argument("--check-every", type=int, default=10, metavar="K", help="check every K-th call (0: none)")
+    p.add_argument("--pass2-repeats", type=int, default=3, metavar="R",
+                   help="run the second pass R times; the table shows the median and the range")
     p.add_argument("--attn", default=None, help="attention implementation for gpt2/llama (default: the model's)")
     p.add_argument("--tiny", action="store_true", help="one layer per model (tests)")
     p.add_argument("--kpt-codegen", choices=["auto", "inductor", "eager"], default=None,
@@ -283,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "card": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "device": args.device, "dtype": DTYPES[args.device][1], "command": command,
         "stream": {"calls": args.calls, "seed": args.seed, "max_batch": args.max_batch, "max_seq": args.max_seq,
-                   "check_every": args.check_every, "distinct_sizes": len(set(sizes)),
+                   "check_every": args.check_every, "pass2_repeats": args.pass2_repeats, "distinct_sizes": len(set(sizes)),
                    "sizes": [list(s) for s in sizes]},
         "models": {m: dict(zip(("builder", "kwargs"), model_kwargs(m, args.attn, args.tiny))) for m in models},
         "modes": {m: compile_kwargs(m, args.kpt_codegen) for m in modes},
