@@ -87,6 +87,8 @@ def _kpt_passes() -> dict[str, dict[str, Any]]:
     return found
 
 
+_NEW_BUCKET = re.compile(r"call \d+: (first call in bucket|bucket .* breaks a guard)")
+_CAPTURED = re.compile(r"bucket .*: captured \(")
 _COMPILED_AT = re.compile(r"compiled at call \d+ \((\d+) ms\)")
 
 
@@ -181,6 +183,9 @@ def run_one(args: argparse.Namespace, mode: str, model_name: str) -> dict[str, A
         if kwargs["backend"] == "kernelpytorch":
             row["kpt_graphs"] = len(kpt_compiler.reports())
             row["kpt_passes"] = _kpt_passes()
+            notes = [n for r in kpt_compiler.reports() for p in r.passes() for n in p.notes]
+            row["buckets_used"] = sum(bool(_NEW_BUCKET.match(n)) for n in notes)
+            row["buckets_captured"] = sum(bool(_CAPTURED.match(n)) for n in notes)
             row["deferred_compile_s"] = [round(float(m.group(1)) / 1e3, 1) for r in kpt_compiler.reports()
                                          for note in r.notes if (m := _COMPILED_AT.match(note))]
             row["pool_mib"] = pool_mib([p.notes for r in kpt_compiler.reports() for p in r.passes()

@@ -212,6 +212,8 @@ def table(record: dict[str, Any]) -> str:
         if timed:
             lines += ["", "compile seconds per frame compile (Dynamo's count), then kpt's deferred compiles:"]
             lines += [f"- {r['mode']}: {', '.join(format(t, 'g') for t in r['compile_s'])}"
+                      + (f"; buckets used {r['buckets_used']}, captured {r['buckets_captured']}"
+                         if r.get("buckets_used") is not None else "")
                       + (f"; deferred: {', '.join(format(t, 'g') for t in r['deferred_compile_s'])}"
                          if r.get("deferred_compile_s") else "") for r in timed]
     return "\n".join(lines)

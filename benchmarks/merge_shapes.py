@@ -20,13 +20,16 @@ from benchmarks.bench_shapes import add_ratios, table
 
 def merge(records: list[dict]) -> dict:
     first = records[0]
+    same = lambda r: {k: v for k, v in r.get("stream", {}).items() if k != "pass2_repeats"}  # noqa: E731
     for r in records[1:]:
-        if r.get("stream") != first.get("stream") or r.get("card") != first.get("card"):
+        if same(r) != same(first) or r.get("card") != first.get("card"):
             raise ValueError("the runs differ in their stream or card; only runs of one stream merge")
     rows: dict[tuple, dict] = {}
     for r in records:
         for row in r["rows"]:
-            rows[(row["model"], row["mode"])] = {**row, "commit": r.get("commit"), "date": r.get("date")}
+            # every run's row, the same mode at several commits included: runs that disagree are all shown
+            rows[(row["model"], row["mode"], r.get("commit"), r.get("date"))] = {**row, "commit": r.get("commit"),
+                                                                               "date": r.get("date")}
     merged = {k: v for k, v in first.items() if k not in ("rows", "commit", "date", "command")}
     merged["torch"] = ", ".join(dict.fromkeys(str(r.get("torch")) for r in records))
     merged.update(models={k: v for r in records for k, v in r.get("models", {}).items()},
