@@ -1,16 +1,20 @@
 """What an attention mask amounts to when it depends on no graph input: nothing, causal, a sliding window, or a
 dense tensor, with an additive bias linear in the positions (ALiBi) on top. The attention pass computes such a
-mask at compile time (``torch_ir.evaluate``) and asks ``mask_kind`` what it is; passes/attention.py rewrites
-by the answer (drop the mask, ``is_causal=True``, a FlexAttention block mask and score_mod, or keep it)."""
+mask at compile time (``torch_ir.evaluate``), or, where its sizes are dynamic, reads what it allows as a
+formula in the positions (passes/_symbolic_masks.py), and asks ``mask_kind`` what it is; passes/attention.py
+rewrites by the answer (drop the mask, ``is_causal=True``, a FlexAttention block mask and score_mod, or keep it)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import sympy
 import torch
 import torch.fx as fx
 
 from kpt_compiler import torch_ir as ir
+
+from . import _symbolic_masks as symbolic_masks
 
 
 @dataclasses.dataclass
@@ -25,16 +29,24 @@ class MaskForm:
     bias: tuple[tuple[float, float, float], ...] | None = None
     bias_dtype: torch.dtype | None = None
     failed: str | None = None  # why a mask that depends on no input could not be computed at compile time
+    # how it was read: "" computed at the sizes of the trace; " for every size" read as a formula in the
+    # positions (dynamic sizes)
+    proof: str = ""
 
 
 def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, cache: dict) -> MaskForm:
-    allowed, bias = None, None
+    allowed, bias, formulas = None, None, []
     for how, m, fill in masks:
         why: list[str] = []
         if m not in cache:
             # up to 2^28 entries: an ALiBi bias [16 heads, 4096, 4096] is fitted too (larger stays a dense mask)
             cache[m] = ir.evaluate(gm, m, max_elements=1 << 28, why=why)
         val = cache[m]
+        if val is None and not why:  # dynamic sizes: what it allows, as a formula in the positions
+            formula = symbolic_masks.allowed(m, how, fill)
+            if formula is not None:
+                formulas.append(formula)
+                continue
         if val is None:
             return MaskForm("tensor", failed=f"{m.name} ({why[0]})" if why else None)
         if how == "add":
@@ -52,6 +64,12 @@ def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, c
                 return MaskForm("tensor")
             ok = val if how == "keep" else ~val
         allowed = ok if allowed is None else allowed & ok
+    if formulas:
+        if allowed is not None or bias is not None:
+            return MaskForm("tensor")  # a formula and a computed mask together: not modeled
+        formula = sympy.And(*formulas)
+        kind = "none" if formula == sympy.true else "causal" if symbolic_masks.is_causal(formula) else "tensor"
+        return MaskForm(kind, proof=" for every size")
     coefficients = _linear_bias(bias, allowed, heads) if bias is not None else None
     if bias is not None and coefficients is None:
         return MaskForm("tensor")  # a bias FlexAttention would have to read from memory: SDPA does that

@@ -108,11 +108,16 @@ def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
             continue
         changed |= _rewrite(run, found)
     if changed:
-        drop_unused(gm.graph, only=lambda n: not ir.depends_on_inputs(n))  # what only the old masks used
+        drop_unused(gm.graph, only=_from_sizes_only)  # what only the old masks used
     if run.order is not None and any(ir.kind(n) == "sdpa" for n in gm.graph.nodes):
         ctx.note("SDPA backends, in priority order: " + ", ".join(b.name.lower() for b in run.order))
         ctx.during_aot(lambda: _sdpa_priority(run.order))
     return changed
+
+
+def _from_sizes_only(node: fx.Node) -> bool:
+    """``node`` reads no input tensor: constants and the graph's sizes only (a mask built from ``arange``)."""
+    return not any(n.op == "placeholder" and isinstance(ir.example_value(n), torch.Tensor) for n in ir.ancestors(node))
 
 
 @dataclasses.dataclass
@@ -189,7 +194,7 @@ def _rewrite(run: _Run, a: Attention) -> bool:
     ctx.count()
     if kind in ("causal", "window"):
         ctx.count(kind)
-    detail = {"causal": "causal (mask proven lower-triangular)", "none": "no mask",
+    detail = {"causal": f"causal (mask proven lower-triangular{form.proof})", "none": "no mask",
               "window": f"sliding window of {window} (mask proven)",
               "tensor": "attn_mask " + "+".join(h for h, _, _ in a.masks)}[kind]
     how = "FlexAttention, " if not flex_why else ""
@@ -299,7 +304,7 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
         return False
     qv, mv = ir.example_value(q), ir.example_value(mask)
     planned, found = Call(q, k, v, mask, float(dropout), causal, scale, gqa), "a mask from the inputs (kept exact)"
-    if not ir.depends_on_inputs(mask):
+    if _from_sizes_only(mask):
         masks = [("keep", mask, -math.inf)] if mv.dtype == torch.bool else [("add", mask, None)]
         form = mask_kind(gm, masks, qv.dtype, qv.shape[-3], run.masks)
         if form.failed:
@@ -308,7 +313,7 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
         if form.bias is None and form.kind in ("none", "causal"):
             planned.mask, planned.causal = None, form.kind == "causal"
             found = "the constant mask masks nothing: dropped" if form.kind == "none" else \
-                "the constant mask is lower-triangular: is_causal=True"
+                f"the constant mask is lower-triangular{form.proof}: is_causal=True"
         elif form.kind in ("window", "none", "causal") and not gqa:
             flex_why = _flex_unsupported(ctx, q, k, dropout, form.kind) or \
                 (None if form.bias is None or BIAS_IN_FLEX else "on torch < 2.11")

@@ -234,3 +234,22 @@ def test_a_mask_of_dynamic_length_compiles_once_for_every_length():
     rec = kpt_compiler.last_report().pass_record("attention")
     assert any("padded to a multiple of 8" in note for note in rec.notes), rec.notes
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the first lengths, then dynamic
+
+
+def test_gpt2_with_changing_lengths_runs_causal_sdpa_with_no_mask():
+    # the dynamic graph's causal mask is read as a formula in the positions: is_causal, no dense mask
+    from torch._dynamo.utils import counters
+
+    model, make_inputs = _hf("gpt2", n_layer=2)
+    model = model.to(torch.bfloat16).eval()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="kernelpytorch")
+    with torch.no_grad():
+        for b, s in ((2, 64), (3, 100), (4, 37), (2, 200)):
+            x = make_inputs(b, s, "cuda")
+            out, ref = first_tensor(compiled(*x)), first_tensor(model(*x))
+            assert relative_error(out.float(), ref.float()) < 2e-2, (b, s)
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.stats.get("causal", 0) == 2 and any("for every size" in n for n in rec.notes), rec.notes
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the first sizes, then dynamic
