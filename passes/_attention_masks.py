@@ -7,6 +7,7 @@ rewrites by the answer (drop the mask, ``is_causal=True``, a FlexAttention block
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import sympy
 import torch
@@ -34,10 +35,14 @@ class MaskForm:
     proof: str = ""
 
 
-def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, cache: dict) -> MaskForm:
+def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, cache: dict,
+              query_len: Any = None) -> MaskForm:
+    """``query_len``: the scores' query length (a mask of one query row broadcast over them is not causal)."""
     allowed, bias, formulas = None, None, []
     for how, m, fill in masks:
         why: list[str] = []
+        if symbolic_masks.mutated(m):
+            return MaskForm("tensor")  # written in place after it was built: what it computes is not its value
         if m not in cache:
             # up to 2^28 entries: an ALiBi bias [16 heads, 4096, 4096] is fitted too (larger stays a dense mask)
             cache[m] = ir.evaluate(gm, m, max_elements=1 << 28, why=why)
@@ -77,6 +82,8 @@ def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, c
     if allowed is None or bool(allowed.all()):
         return dataclasses.replace(form, kind="none")
     L, S = allowed.shape[-2:]
+    if query_len is not None and not (isinstance(query_len, int) and L == query_len):
+        return MaskForm("tensor")  # broadcast over the queries (or sized otherwise): no triangle
     i = torch.arange(L, device=allowed.device)[:, None]
     j = torch.arange(S, device=allowed.device)[None, :]
     if bool((allowed == (j <= i)).all()):

@@ -33,6 +33,9 @@ class _Unknown(Exception):
     pass
 
 
+_BOUND = 2**31  # constants stay below this: sums of positions and a few of them cannot reach int64's limit
+
+
 def _var(d: int) -> sympy.Symbol:
     return sympy.Symbol(f"_i{d}", integer=True, nonnegative=True)
 
@@ -62,11 +65,11 @@ def _scalar(a: Any) -> Any:
         a = ir.example_value(a)
     if isinstance(a, bool):
         return sympy.true if a else sympy.false
+    if isinstance(a, int) and abs(a) >= _BOUND:
+        raise _Unknown  # int64 arithmetic near its limits wraps; the formulas do not
     if isinstance(a, (int, torch.SymInt)):
         return _size(a)
-    if isinstance(a, float) and a == int(a) and abs(a) < 2**53:
-        return sympy.Integer(int(a))
-    raise _Unknown
+    raise _Unknown  # a float: compared with an integer tensor in float32, not exactly
 
 
 def _align(v: SV, shape: tuple) -> Any:
@@ -142,6 +145,8 @@ class _Interp:
                 continue
             if not isinstance(val, torch.Tensor):
                 raise _Unknown
+            if val.dtype not in (torch.int64, torch.bool) and _kind_of(val) != "float":
+                raise _Unknown  # narrower or unsigned integers wrap; the formulas are unbounded integers
             sv = self.step(n, val)
             shape = tuple(_size(s) for s in val.shape)
             if sv.shape != shape or sv.kind != _kind_of(val):
@@ -196,9 +201,8 @@ class _Interp:
             return self.view(a, shape, kind, name, args[1:])
         if name == "to":
             # a device, or bool / a 32- or 64-bit integer dtype (positions fit): the values stay exact
-            if kind != a.kind or any(isinstance(x, torch.dtype) and x not in (torch.bool, torch.int32, torch.int64)
-                                     for x in (*args[1:], *kw.values())):
-                raise _Unknown
+            if kind != a.kind or any(isinstance(x, fx.Node) for x in (*args[1:], *kw.values())):
+                raise _Unknown  # .to(other_tensor): its dtype, not checked here
             return SV(shape, _align(a, shape), kind)
         if name == "new_ones" and shape == () and kind == "bool":
             return SV((), sympy.true, kind)
@@ -273,9 +277,36 @@ def _float(a: Any) -> Any:
     raise _Unknown
 
 
+_INPLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.iand, operator.ior,
+            operator.ixor, operator.ilshift, operator.irshift, operator.itruediv, operator.ifloordiv, operator.imod}
+
+
+def mutated(node: fx.Node) -> bool:
+    """Some op in the graph writes into ``node`` or a tensor it is computed from (or a view of one): an
+    in-place method or function, ``setitem``, or ``out=``. Its values are then not what its ancestors say."""
+    mine = set(ir.ancestors(node))
+    for n in node.graph.nodes:
+        if n.op not in ("call_function", "call_method"):
+            continue
+        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+        # a trailing underscore means in place, except in operator's names (and_, or_: not in place)
+        trailing = name.endswith("_") and not name.endswith("__") and \
+            getattr(n.target, "__module__", None) not in ("_operator", "operator")
+        writes = n.target in _INPLACE or trailing or "out" in n.kwargs
+        if not writes:
+            continue
+        targets = [a for a in (n.args[:1] + tuple(v for k, v in n.kwargs.items() if k == "out"))
+                   if isinstance(a, fx.Node)]
+        if any(t in mine or mine & set(ir.ancestors(t)) for t in targets):
+            return True
+    return False
+
+
 def allowed(node: fx.Node, how: str, fill: Any) -> Any:
     """The predicate in _i{-2} (query) and _i{-1} (key) that ``node``, used as ``how`` ("add", "keep" or
     "drop") with ``fill``, allows, or None where the graph does more than this module models."""
+    if mutated(node):
+        return None
     try:
         v = _Interp().run(node)
     except (_Unknown, TypeError, ValueError, ZeroDivisionError, IndexError):
@@ -293,8 +324,8 @@ def allowed(node: fx.Node, how: str, fill: Any) -> Any:
     else:
         return None
     n = len(v.shape)
-    if n < 2 or pred.free_symbols - {_var(n - 2), _var(n - 1)}:
-        return None  # depends on the batch or head, or on a size: not one pattern for every row
+    if n < 2 or pred.free_symbols - {_var(n - 2), _var(n - 1)} or v.shape[-2] != v.shape[-1]:
+        return None  # or as many queries as keys: is_causal's top-left triangle and the mask's agree then  # depends on the batch or head, or on a size: not one pattern for every row
     return pred.xreplace({_var(n - 2): _Q, _var(n - 1): _K})
 
 

@@ -157,7 +157,8 @@ def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node)
 def _rewrite(run: _Run, a: Attention) -> bool:
     gm, ctx, graph = run.gm, run.ctx, run.gm.graph
     dtype = ir.example_value(a.q).dtype
-    form = mask_kind(gm, a.masks, dtype, ir.example_value(a.softmax).shape[-3], run.masks)
+    scores = ir.example_value(a.softmax).shape
+    form = mask_kind(gm, a.masks, dtype, scores[-3], run.masks, query_len=scores[-2])
     if form.failed:
         ctx.note(f"{a.softmax.name}: the mask depends on no input but could not be computed at compile time, so "
                  f"it stays a dense mask (not proven causal): {form.failed}")
@@ -306,7 +307,7 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
     planned, found = Call(q, k, v, mask, float(dropout), causal, scale, gqa), "a mask from the inputs (kept exact)"
     if _from_sizes_only(mask):
         masks = [("keep", mask, -math.inf)] if mv.dtype == torch.bool else [("add", mask, None)]
-        form = mask_kind(gm, masks, qv.dtype, qv.shape[-3], run.masks)
+        form = mask_kind(gm, masks, qv.dtype, qv.shape[-3], run.masks, query_len=qv.shape[-2])
         if form.failed:
             ctx.note(f"{node.name}: the mask depends on no input but could not be computed at compile time: "
                      f"{form.failed}")

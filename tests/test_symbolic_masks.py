@@ -133,3 +133,49 @@ def test_transformers_models_with_dynamic_lengths_run_causal(name, attn):
             assert relative_error(first_tensor(compiled(*x)), first_tensor(model(*x))) < 1e-5
     rec = kpt_compiler.last_report().pass_record("attention")
     assert rec.stats.get("causal", 0) == 2 and all("for every size" in n for n in rec.notes[:2]), rec.notes
+
+
+# The review of 2026-11-27 found these proven causal (or dropped) wrongly; each stays dense now.
+def _mutated_arange(q, k, n):
+    p = torch.arange(n)
+    kk = p[None, :]
+    p.add_(1)  # kk reads k + 1
+    return kk <= q
+
+
+def _written_mask(q, k, n):
+    ok = k <= q
+    view = ok[:, :]
+    ok[:, 0] = False
+    return view
+
+
+@pytest.mark.parametrize("name, allowed", [
+    ("written through an alias", _mutated_arange),
+    ("setitem after it was built", _written_mask),
+    ("uint8 arange", lambda q, k, n: (torch.arange(n, dtype=torch.uint8)[None, :]
+                                      - torch.arange(n, dtype=torch.uint8)[:, None]) <= 0),
+    ("int8 arange", lambda q, k, n: torch.arange(n, dtype=torch.int8)[None, :] <= torch.arange(n, dtype=torch.int8)[:, None]),
+    (".to(a uint8 tensor)", lambda q, k, n: (q.to(torch.zeros((), dtype=torch.uint8))
+                                             - k.to(torch.zeros((), dtype=torch.uint8))) >= 0),
+    ("int64 overflow", lambda q, k, n: k + (2**63 - 1) <= q + (2**63 - 1)),
+    ("int32 cast", lambda q, k, n: k.to(torch.int32) + (2**31 - 1) <= q.to(torch.int32) + (2**31 - 1)),
+    ("a float constant compared in float32", lambda q, k, n: (k - q + 16777219) <= 16777219.0),
+])
+def test_what_the_review_found_stays_dense(name, allowed):
+    rec = _run(allowed)
+    assert rec.stats.get("causal", 0) == 0 and not any("for every size" in n for n in rec.notes), (name, rec.notes)
+
+
+def test_a_key_only_mask_broadcast_over_the_queries_is_not_causal_at_a_static_size():
+    # [1, n]: "k <= 0" compared with a 1 x n triangle looked causal; broadcast over n queries it is not
+    def fn(q, k, v):
+        i = torch.arange(q.shape[-2])
+        mask = torch.where((i[None, :] <= 0)[None, None], torch.zeros(()), LOWEST)
+        return torch.softmax(q @ k.transpose(-2, -1) * D**-0.5 + mask, dim=-1) @ v
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(8, g)
+    out = torch.compile(fn, backend="kernelpytorch", options={"codegen": "eager", "fusion": False})(q, k, v)
+    assert relative_error(out, fn(q.double(), k.double(), v.double())) < 1e-5
+    assert kpt_compiler.last_report().pass_record("attention").stats.get("causal", 0) == 0
