@@ -1,0 +1,130 @@
+"""fp4 weight GEMM microbenchmark (issue 18): kernels/fp4_linear.py against bf16 cuBLAS and fp8 ``_scaled_mm``.
+
+    python -m benchmarks.bench_fp4 [--out DIR] [--formats nvfp4,mxfp4] [--ms 1,4,16,64,256,2048] [--rep-ms MS]
+    (CUDA; --device cpu runs a smoke test of the table on tiny shapes through the eager reference)
+
+For each weight shape N x K (4096x4096, 14336x4096 and 4096x14336: Llama's attention, MLP up and down) and each
+M it times ``y = x @ w.T`` in bf16:
+  - bf16: ``F.linear`` (cuBLAS);
+  - fp8: ``torch._scaled_mm`` with rowwise scales (x quantized per call, the weight once), the fp8 pass's form;
+  - fp4 <format>: our kernel, the weight quantized once (kernels/_fp4_format.py).
+Times are CUDA-graph replays (``timing_ms(..., cuda_graph=True)``: device time, no launch costs). "weight TB/s"
+is the weight's stored bytes over the time (bf16: 2 bytes per weight; fp8: 1; fp4: 0.5 plus the scales), the
+figure a memory-bound GEMV is judged by; TFLOP/s counts 2 M N K. "vs bf16" is bf16's time over the row's.
+The relative error is against the dequantized weight's matmul in fp32 (the kernel's own error, not the
+format's); the format's SQNR against the bf16 weight is in its own column. ``--out DIR`` writes
+bench_fp4.json and bench_fp4.md (card, date, commit); the markdown table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from kpt_compiler.bench import git_commit, relative_error, timing_ms
+from kpt_compiler.kernels import _fp4_format as fmt
+from kpt_compiler.kernels.fp4_linear import fp4_linear
+from kpt_compiler.lossy_guard import sqnr_db
+
+from .bench_rms_norm import require_cuda, write_out
+
+SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # N x K
+TINY = [(32, 64), (48, 128)]
+
+
+def _fp8_rowwise(x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+    amax = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+    sx = amax / torch.finfo(torch.float8_e4m3fn).max
+    x8 = (x.float() / sx).to(torch.float8_e4m3fn)
+    return torch._scaled_mm(x8, w8.t(), scale_a=sx, scale_b=sw.t(), out_dtype=torch.bfloat16)
+
+
+def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
+    rows = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for n, k in shapes:
+        w = (torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16)
+        quantized = {f: fmt.quantize(w, fmt.FORMATS[f]) for f in formats}
+        snr = {f: sqnr_db(fmt.dequantize(q), w.float()) for f, q in quantized.items()}
+        fp8 = None
+        if device == "cuda":
+            sw = (w.float().abs().amax(-1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+            fp8 = ((w.float() / sw).to(torch.float8_e4m3fn), sw)
+        for m in ms:
+            x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16 if device == "cuda" else torch.float32)
+            impls = {"bf16": (lambda x=x, w=w: F.linear(x, w.to(x.dtype)), 2 * n * k)}
+            if fp8 is not None:
+                impls["fp8"] = (lambda x=x: _fp8_rowwise(x, *fp8), n * k + 4 * n)
+            for f, q in quantized.items():
+                impls[f"fp4 {f}"] = (lambda x=x, q=q: fp4_linear(x, q), q.nbytes())
+            row = {"N": n, "K": k, "M": m, "ms": {}, "weight_tbps": {}, "tflops": {}, "rel_err": {},
+                   "sqnr_db": {f"fp4 {f}": round(s, 2) for f, s in snr.items()}}
+            for name, (fn, nbytes) in impls.items():
+                t = timing_ms(fn, device, warmup_ms=rep_ms / 5, rep_ms=rep_ms, cuda_graph=device == "cuda").median
+                row["ms"][name] = t
+                row["weight_tbps"][name] = nbytes / (t * 1e-3) / 1e12
+                row["tflops"][name] = 2 * m * n * k / (t * 1e-3) / 1e12
+                if name.startswith("fp4"):
+                    q = quantized[name.split()[1]]
+                    ref = x.float() @ fmt.dequantize(q).T
+                    row["rel_err"][name] = relative_error(fn().float(), ref)
+            rows.append(row)
+            print(f"{n}x{k} M={m}: " + "  ".join(f"{k_} {v:.4f} ms" for k_, v in row["ms"].items()), flush=True)
+    return rows
+
+
+def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> str:
+    names = list(rows[0]["ms"]) if rows else []
+    lines = [f"# fp4 weight GEMM on {card}", "",
+             f"- date: {datetime.date.today()}; commit: {commit}; torch {torch.__version__}",
+             f"- command: `{command}`",
+             "- times: " + ("CUDA-graph replays, median (device time)" if card != "cpu" else
+                            "wall clock on the CPU through the eager reference: a smoke test, not a figure"), "",
+             "| N x K | M | " + " | ".join(f"{n} ms" for n in names) + " | "
+             + " | ".join(f"{n} weight TB/s" for n in names) + " | "
+             + " | ".join(f"{n} vs bf16" for n in names if n != "bf16") + " | fp4 rel. err | fp4 SQNR dB |",
+             "|" + " --- |" * (2 + 2 * len(names) + len(names) - 1 + 2)]
+    for r in rows:
+        lines.append(f"| {r['N']}x{r['K']} | {r['M']} | " + " | ".join(f"{r['ms'][n]:.4f}" for n in names) + " | "
+                     + " | ".join(f"{r['weight_tbps'][n]:.2f}" for n in names) + " | "
+                     + " | ".join(f"{r['ms']['bf16'] / r['ms'][n]:.2f}x" for n in names if n != "bf16") + " | "
+                     + ", ".join(f"{v:.1e}" for v in r["rel_err"].values()) + " | "
+                     + ", ".join(f"{v:.1f}" for v in r["sqnr_db"].values()) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="write bench_fp4.json and bench_fp4.md here")
+    p.add_argument("--formats", default="nvfp4,mxfp4")
+    p.add_argument("--ms", default="1,4,16,64,256,2048", help="comma-separated M values")
+    p.add_argument("--rep-ms", type=float, default=200)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: a smoke test of the table on tiny shapes (the eager reference, wall-clock times)")
+    args = p.parse_args(argv)
+    formats = [f for f in args.formats.split(",") if f]
+    if any(f not in fmt.FORMATS for f in formats):
+        p.error(f"--formats: {args.formats!r}; allowed: {', '.join(fmt.FORMATS)}")
+    ms = [int(m) for m in args.ms.split(",") if m]
+    if args.device == "cuda":
+        error = require_cuda("bench_fp4")
+        if error:
+            print(error, file=sys.stderr)
+            return 2
+    shapes = SHAPES if args.device == "cuda" else TINY
+    rows = run(shapes, ms, formats, args.device, args.rep_ms)
+    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    command = "python -m benchmarks.bench_fp4 " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = markdown(rows, command.strip(), card, git_commit())
+    write_out(args.out, "bench_fp4", {"card": card, "torch": torch.__version__, "date": str(datetime.date.today()),
+                                      "commit": git_commit(), "command": command.strip()}, rows, table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

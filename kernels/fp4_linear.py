@@ -1,0 +1,95 @@
+"""``y = x @ w.T`` with ``w`` stored in fp4 (NVFP4 or MXFP4, kernels/_fp4_format.py), dequantized in registers
+(issue 18; first form: not yet timed on the GPU, not yet emitted by a pass).
+
+The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor scale). Each program computes a
+BLOCK_M x BLOCK_N tile of y: per K step it loads x [BLOCK_M, BLOCK_K] and the packed bytes [BLOCK_N,
+BLOCK_K / 2], splits each byte into its two codes (the even element in the low nibble), turns codes into
+values with integer arithmetic (no table: e = bits 1-2, m = bit 0; 0.5 m where e = 0, else (1 + 0.5 m) 2^(e-1);
+bit 3 the sign), multiplies each block of values by its scale, and feeds tl.dot in x's dtype with an fp32
+accumulator. Memory read per weight: half a byte and a scale byte per block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _fp4_format as fmt
+from ._launch import input_precision, kernel_runs, tl, triton
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _e2m1(code):
+    """Codes (int32, 0-15) -> float32 values."""
+    e = (code >> 1) & 3
+    m = (code & 1).to(tl.float32)
+    normal = (1.0 + 0.5 * m) * tl.exp2((e - 1).to(tl.float32))
+    mag = tl.where(e == 0, 0.5 * m, normal)
+    return tl.where((code & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, y_ptr, global_scale, M, N, K,
+                       stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ym, stride_yn,
+                       E8M0: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rb = tl.arange(0, BLOCK_K // 2)  # packed bytes along K
+    rs = tl.arange(0, BLOCK_K // BLOCK)  # scales along K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :] * stride_xk,
+                    mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < K), other=0.0)
+        packed = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rb)[None, :] * stride_wk,
+                         mask=(rn[:, None] < N) & ((k0 // 2 + rb)[None, :] < K // 2), other=0).to(tl.int32)
+        lo = _e2m1(packed & 0xF)
+        hi = _e2m1((packed >> 4) & 0xF)
+        values = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # [.., j, 0] = element 2j, [.., j, 1] = 2j + 1
+        raw = tl.load(s_ptr + rn[:, None] * stride_sn + (k0 // BLOCK + rs)[None, :] * stride_sk,
+                      mask=(rn[:, None] < N) & ((k0 // BLOCK + rs)[None, :] < K // BLOCK), other=0)
+        if E8M0:
+            scale = tl.exp2(raw.to(tl.float32) - 127.0)
+        else:
+            scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * global_scale
+        w = tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // BLOCK, BLOCK)) * scale[:, :, None],
+                       (BLOCK_N, BLOCK_K))
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def reference(x: Tensor, q: fmt.Fp4Weight) -> Tensor:
+    """The eager form: the weight dequantized in full, then a matmul in x's dtype."""
+    return x @ fmt.dequantize(q, x.dtype).T
+
+
+def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, block_m: int = 16, block_n: int = 32, block_k: int = 64) -> Tensor:
+    """``x`` [..., K] times the fp4 weight [N, K] transposed: [..., N] in x's dtype."""
+    n, k = q.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"fp4_linear: x has K={x.shape[-1]}, the weight {k}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"fp4_linear takes float32, float16 or bfloat16 activations, got {x.dtype}")
+    if not kernel_runs(x, DTYPES, needs_3_6_interpreter=True):
+        return reference(x, q)
+    if block_k % q.format.block or block_k % 2 or k % q.format.block:
+        raise ValueError(f"fp4_linear: block_k={block_k} must be a multiple of the format's {q.format.block}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp4_linear_kernel[grid](
+        x2, q.packed, q.scales.view(torch.uint8),  # E4M3 scales as their bytes: bitcast in the kernel
+        y, float(q.global_scale), m, n, k,
+        x2.stride(0), x2.stride(1), q.packed.stride(0), q.packed.stride(1), q.scales.stride(0), q.scales.stride(1),
+        y.stride(0), y.stride(1),
+        E8M0=q.format.scale_dtype == "e8m0", BLOCK=q.format.block, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=input_precision(x.dtype))
+    return y.reshape(*lead, n)

@@ -1,0 +1,49 @@
+"""The fp4 weight GEMM (kernels/fp4_linear.py, issue 18) under Triton's interpreter on the CPU: against the
+dequantized weight's matmul in float64, at small and odd shapes, both formats, fp32 and fp16 activations (the
+interpreter's bf16 dot is unreliable)."""
+
+import pytest
+import torch
+
+from kpt_compiler.kernels import _fp4_format as fmt
+from kpt_compiler.kernels import _launch
+from kpt_compiler.kernels.fp4_linear import fp4_linear
+
+if not torch.cuda.is_available() and not _launch.kernel_runs(torch.empty(0), needs_3_6_interpreter=True):
+    pytest.skip("the kernel runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1 before import)",
+                allow_module_level=True)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("M, N, K", [(1, 32, 64), (5, 48, 128), (17, 33, 96), (3, 7, 160)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_matches_the_dequantized_matmul(f, M, N, K, dtype, tol):
+    if K % f.block:
+        pytest.skip(f"K={K} is not a multiple of {f.name}'s block")
+    g = torch.Generator().manual_seed(M * N + K)
+    w, x = torch.randn(N, K, generator=g), torch.randn(M, K, generator=g)
+    q = fmt.quantize(w.to(DEVICE), f)
+    y = fp4_linear(x.to(DEVICE, dtype), q)
+    ref = x.double() @ fmt.dequantize(q).double().cpu().T
+    assert y.dtype == dtype and y.shape == (M, N)
+    assert (y.double().cpu() - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_leading_dims_and_a_strided_input():
+    g = torch.Generator().manual_seed(3)
+    q = fmt.quantize(torch.randn(24, 64, generator=g).to(DEVICE))
+    x = torch.randn(2, 3, 128, generator=g).to(DEVICE)[..., ::2]  # K stride 2
+    y = fp4_linear(x, q)
+    ref = x.double() @ fmt.dequantize(q).double().T
+    assert y.shape == (2, 3, 24) and (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_bad_input_names_what_is_wrong():
+    q = fmt.quantize(torch.randn(8, 32).to(DEVICE))
+    with pytest.raises(ValueError, match="K=16, the weight 32"):
+        fp4_linear(torch.randn(2, 16).to(DEVICE), q)
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        fp4_linear(torch.randn(2, 32, dtype=torch.float64).to(DEVICE), q)
+    with pytest.raises(ValueError, match="multiple of the format's 16"):
+        fp4_linear(torch.randn(2, 32).to(DEVICE), q, block_k=24)
