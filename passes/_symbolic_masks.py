@@ -108,6 +108,9 @@ _CMP = {operator.le: sympy.Le, operator.lt: sympy.Lt, operator.ge: sympy.Ge, ope
         torch.gt: sympy.Gt, torch.eq: sympy.Eq, torch.ne: sympy.Ne}
 _LOGIC = {operator.and_: sympy.And, operator.or_: sympy.Or, torch.logical_and: sympy.And,
           torch.logical_or: sympy.Or, torch.bitwise_and: sympy.And, torch.bitwise_or: sympy.Or}
+_DUNDER = {"__eq__": operator.eq, "__ne__": operator.ne, "__le__": operator.le, "__lt__": operator.lt,
+           "__ge__": operator.ge, "__gt__": operator.gt, "__and__": operator.and_, "__or__": operator.or_,
+           "__invert__": operator.invert, "__add__": operator.add, "__sub__": operator.sub}
 _ARITH = {operator.add: operator.add, operator.sub: operator.sub, torch.add: operator.add, torch.sub: operator.sub}
 
 
@@ -158,7 +161,9 @@ class _Interp:
         t, args, kw = n.target, n.args, n.kwargs
         shape = tuple(_size(s) for s in val.shape)
         kind = _kind_of(val)
-        if n.op == "call_method":
+        if n.op == "call_method" and t in _DUNDER:  # torch 2.9's Dynamo records some operators as methods
+            t = _DUNDER[t]
+        elif n.op == "call_method":
             return self.method(t, args, kw, shape, kind)
         if t is torch.arange and len(args) == 1 and kind == "int":
             return SV(shape, _var(0), kind)
