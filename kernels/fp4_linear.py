@@ -93,3 +93,33 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, block_m: int = 16, block_n: int =
         E8M0=q.format.scale_dtype == "e8m0", BLOCK=q.format.block, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, PRECISION=input_precision(x.dtype))
     return y.reshape(*lead, n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The op a pass emits: inference only (fp4 weights are constants of an inference graph), one opaque call that
+# Inductor launches as an extern kernel; the weight's parts are its arguments (packed bytes, scale bytes, the
+# tensor scale), so they can be graph constants.
+# ---------------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kpt::fp4_linear", mutates_args=())
+def fp4_linear_op(x: Tensor, packed: Tensor, scales: Tensor, global_scale: Tensor, block: int,
+                  e8m0: bool) -> Tensor:
+    return fp4_linear(x, _weight(packed, scales, global_scale, block, e8m0))
+
+
+@fp4_linear_op.register_fake
+def _(x, packed, scales, global_scale, block, e8m0):
+    return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+
+def _weight(packed: Tensor, scales: Tensor, global_scale: Tensor, block: int, e8m0: bool) -> fmt.Fp4Weight:
+    f = fmt.MXFP4 if e8m0 else fmt.NVFP4
+    if f.block != block:
+        raise ValueError(f"fp4_linear: block {block} is not {f.name}'s {f.block}")
+    stored = scales if e8m0 else scales.view(torch.float8_e4m3fn)
+    return fmt.Fp4Weight(f, packed, stored, global_scale, (packed.shape[0], packed.shape[1] * 2))
+
+
+def op_args(q: fmt.Fp4Weight) -> tuple:
+    """The weight's parts as the op takes them (after x)."""
+    return (q.packed, q.scales.view(torch.uint8), q.global_scale.reshape(()).float(), q.format.block,
+            q.format.scale_dtype == "e8m0")

@@ -47,3 +47,17 @@ def test_bad_input_names_what_is_wrong():
         fp4_linear(torch.randn(2, 32, dtype=torch.float64).to(DEVICE), q)
     with pytest.raises(ValueError, match="multiple of the format's 16"):
         fp4_linear(torch.randn(2, 32).to(DEVICE), q, block_k=24)
+
+
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+def test_the_op_form_matches_and_passes_opcheck(f):
+    from kpt_compiler.kernels.fp4_linear import op_args
+
+    g = torch.Generator().manual_seed(5)
+    q = fmt.quantize(torch.randn(24, 64, generator=g).to(DEVICE), f)
+    x = torch.randn(3, 64, generator=g).to(DEVICE)
+    y = torch.ops.kpt.fp4_linear(x, *op_args(q))
+    assert torch.allclose(y, fp4_linear(x, q))
+    torch.library.opcheck(torch.ops.kpt.fp4_linear.default, (x, *op_args(q)))
+    compiled = torch.compile(lambda x: torch.ops.kpt.fp4_linear(x, *op_args(q)), backend="aot_eager", fullgraph=True)
+    assert torch.allclose(compiled(x), y)
