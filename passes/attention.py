@@ -108,7 +108,9 @@ def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
             continue
         changed |= _rewrite(run, found)
     if changed:
-        drop_unused(gm.graph, only=_from_sizes_only)  # what only the old masks used
+        # what only the old masks used (not a user's runtime check on the sizes: torch._check is no FX effect)
+        drop_unused(gm.graph, only=lambda n: _from_sizes_only(n)
+                    and not getattr(n.target, "__name__", "").startswith(("_check", "_assert")))
     if run.order is not None and any(ir.kind(n) == "sdpa" for n in gm.graph.nodes):
         ctx.note("SDPA backends, in priority order: " + ", ".join(b.name.lower() for b in run.order))
         ctx.during_aot(lambda: _sdpa_priority(run.order))
