@@ -298,7 +298,8 @@ def test_the_torchao_baseline_says_why_without_torchao():
 def test_modes_timed_in_turn_give_paired_ratios_and_a_table(monkeypatch):
     """--interleave: each mode compiled once, then timed round by round (the order rotated); the ratio to
     Inductor is the median of the rounds' ratios. Here "inductor" is Dynamo's eager backend (cheap) and a
-    slowed copy of the step must come out about 2x slower in every round."""
+    copy of the step reports twice its time in every round (the times are given, not measured: a clock on a
+    loaded 2-core CI machine once put the ratio at 2.6)."""
     from benchmarks import measure, outputs
     from benchmarks.zoo import CPU_ZOO
 
@@ -322,11 +323,20 @@ def test_modes_timed_in_turn_give_paired_ratios_and_a_table(monkeypatch):
         return timed
 
     monkeypatch.setattr(measure, "make_step", make_step)
+
+    def timing_ms(step, device, **_):  # the time each round's step reports: the pairing is tested, not a clock
+        from kpt_compiler.bench import Timing
+
+        step()
+        t = (2.0 if order[-1] == "slow" else 1.0) * (1 + 0.1 * len(order))  # rounds differ; within one, 2x
+        return Timing(t, t, t)
+
+    monkeypatch.setattr(measure, "timing_ms", timing_ms)
     modes = {"inductor": {"backend": "eager"}, "slow": {"backend": "eager", "slow": True}}
     monkeypatch.setattr(torch, "compile", lambda model, backend, slow=False: torch._dynamo.optimize(backend)(model))
     figures = measure.interleaved(model, inputs, ref, case, modes, "cpu", rounds=4, rep_ms=20)
     assert figures["inductor"]["vs_inductor"]["median"] == 1.0 and figures["slow"]["rounds"] == 4
-    assert 1.5 < 1 / figures["slow"]["vs_inductor"]["median"] < 2.6, figures
+    assert 1.7 < 1 / figures["slow"]["vs_inductor"]["median"] < 2.3, figures  # 2x, within a round's drift
     firsts = [order[i] for i in range(len(order)) if i == 0 or order[i] != order[i - 1]]
     assert firsts[:3] == ["inductor", "slow", "inductor"]  # the rounds alternate which mode goes first
     row = {"model": "tiny-gpt", "task": "training", "shape": "1x32", "dtype": "fp32", "mode": "slow",
