@@ -34,10 +34,6 @@ class Fp4Format:
     block: int  # weights per scale, along K
     scale_dtype: str  # "e4m3" (with a per-tensor fp32 scale) or "e8m0"
 
-    @property
-    def bits_per_weight(self) -> float:
-        return 4 + 8 / self.block  # the values and their block's scale byte (NVFP4's one fp32 per tensor aside)
-
 
 NVFP4 = Fp4Format("nvfp4", 16, "e4m3")
 MXFP4 = Fp4Format("mxfp4", 32, "e8m0")

@@ -181,9 +181,12 @@ def ancestors(node: fx.Node) -> list[fx.Node]:
     return [n for n in node.graph.nodes if n in seen]
 
 
-def depends_on_inputs(node: fx.Node) -> bool:
-    """True if the value of ``node`` depends on a graph input (so it cannot be known at compile time)."""
-    return any(n.op == "placeholder" for n in ancestors(node))
+def depends_on_inputs(node: fx.Node, tensors_only: bool = False) -> bool:
+    """True if the value of ``node`` depends on a graph input (so it cannot be known at compile time).
+    ``tensors_only``: on an input tensor (not counting the sizes Dynamo passes as inputs: a mask built from
+    ``arange`` of a dynamic length depends on no tensor)."""
+    return any(n.op == "placeholder" and (not tensors_only or isinstance(example_value(n), torch.Tensor))
+               for n in ancestors(node))
 
 
 def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26,

@@ -152,7 +152,7 @@ class _Interp:
                 raise _Unknown  # narrower or unsigned integers wrap; the formulas are unbounded integers
             sv = self.step(n, val)
             shape = tuple(_size(s) for s in val.shape)
-            if sv.shape != shape or sv.kind != _kind_of(val):
+            if sv.kind != _kind_of(val):  # (each step takes its shape from the trace)
                 raise _Unknown  # the model disagrees with the trace: trust neither
             self.env[n] = SV(shape, _with_ones(shape, sv.expr), sv.kind)
         return self.env[node]

@@ -109,17 +109,12 @@ def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
         changed |= _rewrite(run, found)
     if changed:
         # what only the old masks used (not a user's runtime check on the sizes: torch._check is no FX effect)
-        drop_unused(gm.graph, only=lambda n: _from_sizes_only(n)
+        drop_unused(gm.graph, only=lambda n: not ir.depends_on_inputs(n, tensors_only=True)
                     and not getattr(n.target, "__name__", "").startswith(("_check", "_assert")))
     if run.order is not None and any(ir.kind(n) == "sdpa" for n in gm.graph.nodes):
         ctx.note("SDPA backends, in priority order: " + ", ".join(b.name.lower() for b in run.order))
         ctx.during_aot(lambda: _sdpa_priority(run.order))
     return changed
-
-
-def _from_sizes_only(node: fx.Node) -> bool:
-    """``node`` reads no input tensor: constants and the graph's sizes only (a mask built from ``arange``)."""
-    return not any(n.op == "placeholder" and isinstance(ir.example_value(n), torch.Tensor) for n in ir.ancestors(node))
 
 
 @dataclasses.dataclass
@@ -307,7 +302,7 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
         return False
     qv, mv = ir.example_value(q), ir.example_value(mask)
     planned, found = Call(q, k, v, mask, float(dropout), causal, scale, gqa), "a mask from the inputs (kept exact)"
-    if _from_sizes_only(mask):
+    if not ir.depends_on_inputs(mask, tensors_only=True):
         masks = [("keep", mask, -math.inf)] if mv.dtype == torch.bool else [("add", mask, None)]
         form = mask_kind(gm, masks, qv.dtype, qv.shape[-3], run.masks, query_len=qv.shape[-2])
         if form.failed:
