@@ -192,12 +192,27 @@ class _Interp:
             return self.index(self.value(args[0]), args[1], shape, kind)
         if t is torch.diff:
             return self.diff(args, kw, shape, kind)
+        if t is torch.tensor and len(args) == 1 and type(args[0]) in (int, float) and shape == () \
+                and kind == "float":  # a literal, as its dtype holds it
+            held = float(val.new_tensor(args[0]).item())
+            return SV((), sympy.Float(held) if held else sympy.Integer(0), kind)
         if t is torch.where and len(args) == 3 and kind == "float":
             cond = self.value(args[0])
-            a, b = (_float(x) for x in args[1:])
+            a, b = (self.float_scalar(x) for x in args[1:])
             if cond.kind != "bool":
                 raise _Unknown
             return SV(shape, sympy.Piecewise((a, _align(cond, shape)), (b, True)), kind)
+        raise _Unknown
+
+    def float_scalar(self, a: Any) -> Any:
+        """A where() branch: a Python number, or a 0-dim float tensor this module has read (a literal)."""
+        if isinstance(a, fx.Node):
+            v = self.value(a)
+            if v.kind != "float" or v.shape != ():
+                raise _Unknown
+            return v.expr
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            return sympy.Float(a) if a else sympy.Integer(0)
         raise _Unknown
 
     def method(self, name, args, kw, shape, kind) -> SV:
@@ -270,16 +285,6 @@ class _Interp:
         return SV(shape, later, kind)
 
 
-def _float(a: Any) -> Any:
-    if isinstance(a, fx.Node):
-        v = ir.example_value(a)
-        if not (isinstance(v, torch.Tensor) and v.dim() == 0 and a.op == "call_function"
-                and a.target in (torch.zeros,)):
-            raise _Unknown
-        return sympy.Integer(0)
-    if isinstance(a, (int, float)) and not isinstance(a, bool):
-        return sympy.Float(a) if a else sympy.Integer(0)
-    raise _Unknown
 
 
 _INPLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.iand, operator.ior,

@@ -17,7 +17,7 @@ def _qkv(n, g):
     return [torch.randn(B, H, n, D, generator=g) for _ in range(3)]
 
 
-def _run(allowed_fn, *, fill=LOWEST, extra=None):
+def _run(allowed_fn, *, fill=LOWEST, extra=None, zero=lambda dev: torch.zeros((), device=dev)):
     """Attention with the additive mask ``where(allowed_fn(q_pos, k_pos, n), 0, fill)``, compiled dynamic in n;
     returns the attention pass's record."""
 
@@ -26,7 +26,7 @@ def _run(allowed_fn, *, fill=LOWEST, extra=None):
         i = torch.arange(n, device=q.device)
         ok = allowed_fn(i[:, None], i[None, :], n, *rest)
         ok = ok[None, None] if ok.dim() == 2 else ok
-        mask = torch.where(ok, torch.zeros((), device=q.device), fill)
+        mask = torch.where(ok, zero(q.device), fill)
         return torch.softmax(q @ k.transpose(-2, -1) * D**-0.5 + mask, dim=-1) @ v
 
     torch._dynamo.reset()
@@ -54,6 +54,14 @@ def test_key_at_or_before_query_is_causal_for_every_size():
     assert _causal(_run(lambda q, k, n: k <= q))
     assert _causal(_run(lambda q, k, n: q >= k))
     assert _causal(_run(lambda q, k, n: k < q + 1))
+
+
+def test_a_literal_tensor_as_the_kept_value_is_read():
+    # transformers 5.17 writes where(mask, torch.tensor(0.0, dtype=float32), min)
+    assert _causal(_run(lambda q, k, n: k <= q, zero=lambda dev: torch.tensor(0.0, device=dev, dtype=torch.float32)))
+    # a literal other than 0 adds to the kept scores: not the plain causal mask, so it stays dense (and right)
+    rec = _run(lambda q, k, n: k <= q, zero=lambda dev: torch.tensor(0.5, device=dev))
+    assert rec.stats.get("causal", 0) == 0, rec.notes
 
 
 def test_transformers_form_with_its_packed_sequence_check_is_causal():
