@@ -156,7 +156,8 @@ class PassManager:
                  allowed: frozenset[str] | None = None, graph_module: fx.GraphModule | None = None) -> PassContext:
         return PassContext(options=self.options.pass_options(spec.name), target=self.target, stage=stage,
                            is_inference=is_inference, mode=self.options.mode, codegen=self.codegen,
-                           cost_model=self.cost_model, allowed=allowed, inputs_fn=inputs, graph_module=graph_module)
+                           cost_model=self.cost_model, allowed=allowed, inputs_fn=inputs, graph_module=graph_module,
+                           explicit=self.options.passes[spec.name].explicit)
 
     def _why_not(self, spec: GraphPass) -> tuple[str, str] | None:
         """(status, reason) when the pass does not run at all (switched off, or not for this target), else None."""

@@ -98,6 +98,8 @@ class PassContext:
     local_checks: dict[str, tuple[str, Callable[..., Any]]] = dataclasses.field(default_factory=dict)
     inputs_fn: Callable[[], list[Any]] | None = dataclasses.field(default=None, repr=False)
     _inputs: list[Any] | None = dataclasses.field(default=None, repr=False)
+    # the user asked for this pass (its key, its group's, or ``pipeline``); False: it runs by its default
+    explicit: bool = False
 
     def count(self, stat: str = "matches", n: int = 1) -> None:
         self.stats[stat] += n

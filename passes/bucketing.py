@@ -14,6 +14,11 @@ user wrote it (traced to ATen before the other passes rewrite it; their rewrites
 Inference only: in training the padded positions would enter the loss. Only calls a CUDA graph replays are
 padded (``pad="captured"``): others run at their own sizes through the same dynamic code. At each call the
 bucket is checked against the guards the compiled code was made under (one past a guard runs unpadded).
+
+Asked for (``options={"bucketing": True}``), it pads from the dynamic graph's first call. Not asked for, it is on
+for CUDA inference only and waits: the dynamic graph runs unpadded until it has met ``AUTO_AFTER_SHAPES``
+distinct sizes (a stream of changing sizes, not a model called at two or three), and the report says when it
+started. Its static graphs are then compiled at once, as without it.
 """
 
 from __future__ import annotations
@@ -30,28 +35,40 @@ from kpt_compiler import graph_utils
 from kpt_compiler import torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
-from ._padding_proof import AV, Unprovable, prove
+from . import _ladder as ladder
+from ._bucket_inputs import (_has, _input_facts, _mutated_placeholders, _output_dims, _padded_placeholders,
+                             _shape_env, _trace)
+from ._padding_proof import Unprovable, prove
 
 MAX_SYMBOL_RETRIES = 4
+AUTO_AFTER_SHAPES = 4  # on by default: distinct sizes the dynamic graph meets before it pads
+FIT_AFTER_SHAPES = 8  # buckets="fit": the fewest distinct sizes a ladder is fitted to
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketingOptions:
     # which dimensions of the inputs may be padded (0: batch, 1: sequence, ...); None: every dynamic one
     dims: tuple[int, ...] | None = None
-    # the sizes to pad to, ascending; None: powers of two. A size past the last bucket runs unpadded
-    buckets: tuple[int, ...] | None = None
+    # the sizes to pad to, ascending; None: powers of two; "fit": a ladder per padded dim fitted to the sizes met
+    # (passes/_ladder.py) once the graph has met max(after_shapes, FIT_AFTER_SHAPES) distinct sizes. A size past
+    # the user's last bucket runs unpadded; past a fitted ladder, it rounds up to a power of two
+    buckets: tuple[int, ...] | Literal["fit"] | None = None
     # a graph Dynamo made for one set of sizes (before any changed) compiles at this call, running eagerly
     # before: in a stream of changing sizes it may never be called again (1: compile at once)
     compile_static_after: int = 2
     # "captured": pad only the calls a CUDA graph replays (the cudagraphs pass, per bucket); the others run at
     # their own sizes through the same dynamic code, which padding would only slow. "always": pad every call
     pad: Literal["captured", "always"] = "captured"
+    # pad once the dynamic graph has met this many distinct sizes (1: from its first call). When the pass runs
+    # by default, not asked for: AUTO_AFTER_SHAPES
+    after_shapes: int = 1
 
     def __post_init__(self):
-        if self.buckets is not None:
+        if self.buckets is not None and self.buckets != "fit":
             if not self.buckets or any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
                 raise ValueError(f"buckets must be positive sizes in ascending order, got {list(self.buckets)}")
+        if self.after_shapes < 1:
+            raise ValueError(f"after_shapes must be 1 or more, got {self.after_shapes}")
         if self.compile_static_after < 1:
             raise ValueError(f"compile_static_after must be 1 or more, got {self.compile_static_after}")
         if self.dims is not None and any(d < 0 for d in self.dims):
@@ -67,7 +84,7 @@ class Plan:
     tensors: list[tuple[int, list[tuple[int, Any]]]]  # (argument, [(dim, size expression)]) to pad
     sym_args: list[tuple[int, Any]]  # SymInt arguments: (argument, expression)
     outputs: list[tuple[int, list[tuple[int, Any]]]]  # (output, [(dim, size expression)]) to slice back
-    buckets: tuple[int, ...] | None
+    buckets: tuple[int, ...] | str | None  # str: "fit", until fitted (then ``ladders``)
     shape_env: Any = None
     withdrawn: str | None = None  # a later pass made padding unsafe (the fp8 pass's tensorwise scales)
     seen: dict[tuple, bool] = dataclasses.field(default_factory=dict)  # bucket -> the guards hold there
@@ -78,14 +95,24 @@ class Plan:
     graphs: Any = None  # a _bucket_graphs.BucketGraphs when the cudagraphs pass captures per bucket
     _memo: dict = dataclasses.field(default_factory=dict)  # real sizes -> what _sizes says
     watched: list = dataclasses.field(default_factory=list)  # buffers the proof read: (input, version, address)
+    after_shapes: int = 1  # pads from the call at which the graph has met this many distinct sizes
+    met: set = dataclasses.field(default_factory=set)  # the distinct sizes met while waiting
+    ladders: dict | None = None  # buckets="fit": symbol -> its fitted ladder
 
-    def bucket(self, n: int) -> int:
-        if self.buckets is None:
-            return 1 << max(n - 1, 0).bit_length()
-        for b in self.buckets:
-            if b >= n:
-                return b
-        return n
+    def bucket(self, n: int, symbol: Any = None) -> int:
+        if self.ladders is not None:
+            return ladder.round_up(n, self.ladders.get(symbol), past="power_of_two")
+        return ladder.round_up(n, self.buckets if self.buckets != "fit" else None)
+
+    def waits_for(self) -> int:
+        return max(self.after_shapes, FIT_AFTER_SHAPES) if self.buckets == "fit" else self.after_shapes
+
+    def _fit(self) -> None:
+        where = list(self.sources)
+        self.ladders = {s: ladder.fit([m[where.index(s)] for m in self.met]) for s in self.symbols}
+        if self.notes is not None:
+            fitted = "; ".join(f"{s}: {list(v)}" for s, v in self.ladders.items())
+            self.notes.append(f"call {self.calls}: ladders fitted to the {len(self.met)} sizes met: {fitted}")
 
     def wrap(self, compiled: Callable) -> Callable:
         if self.withdrawn:
@@ -106,6 +133,16 @@ class Plan:
         if self.withdrawn or self.graphs is None and not self.pad_always:
             return compiled(*args)
         real = tuple(_size(args, where) for where in self.sources.values())
+        if self.met is not None:  # waiting for enough distinct sizes
+            self.met.add(real)
+            if len(self.met) < self.waits_for():
+                return compiled(*args)
+            if self.buckets == "fit":
+                self._fit()
+            if self.notes is not None and self.waits_for() > 1:
+                self.notes.append(f"call {self.calls}: {len(self.met)} distinct sizes met; padding to buckets from "
+                                  "here on")
+            self.met = None
         sizes = self._memo.get(real)
         if sizes is None:  # sympy once per distinct set of sizes, not on every call
             if len(self._memo) > 4096:
@@ -136,7 +173,7 @@ class Plan:
         arguments; the real sizes of the outputs' padded dims)."""
         padded = dict(real)
         for s in self.symbols:
-            padded[s] = self.bucket(real[s])
+            padded[s] = self.bucket(real[s], s)
         key = tuple(padded[s] for s in self.symbols)
         if self.graphs is None and all(padded[s] == real[s] for s in self.symbols):
             return None, {}, [], []
@@ -206,20 +243,36 @@ def _guards_hold(shape_env: Any, values: dict, padded: tuple = ()) -> bool:
 
 @graph_pass("bucketing", summary="inputs whose sizes vary padded to a ladder of buckets (zeros), outputs sliced "
             "back, where the graph provably keeps the padding out of the real outputs", stage="pre_aot",
-            options=BucketingOptions, default=False, statistics=("padded_dims",))
+            options=BucketingOptions, default=True, statistics=("padded_dims",))
 def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    if not ctx.explicit:  # on by default: for CUDA graphs per bucket, on a stream of sizes
+        off = (f"the graph runs on {ctx.target.device}" if not ctx.target.is_cuda else
+               None if ctx.is_inference else "a training graph")
+        if off is None and not graph_utils.has_dynamic_sizes(gm):
+            ctx.note("not padded: no input size varies in this graph")
+            return False
+        if off is not None:
+            ctx.note(f"not padded: on by default for CUDA inference only ({off}); options={{'bucketing': True}} asks "
+                     "for it")
+            return False
     plan, why = make_plan(gm, ctx)
     if plan is None:
         ctx.note(f"not padded: {why}")
-        if ctx.is_inference and ctx.options.compile_static_after > 1 and not graph_utils.has_dynamic_sizes(gm):
+        if ctx.explicit and ctx.is_inference and ctx.options.compile_static_after > 1 and \
+                not graph_utils.has_dynamic_sizes(gm):
             ctx.defer_compile(ctx.options.compile_static_after)
             ctx.note(f"compile deferred to call {ctx.options.compile_static_after}: Dynamo makes this graph for the "
                      "sizes it saw first, and a stream of changing sizes may not call it again")
         return False
     gm.meta["kpt_bucketing"] = plan
+    plan.after_shapes = ctx.options.after_shapes if ctx.explicit else AUTO_AFTER_SHAPES
     ctx.count("padded_dims", len(plan.symbols))
-    ladder = "powers of two" if plan.buckets is None else f"buckets {list(plan.buckets)}"
-    ctx.note(f"padded to {ladder}{'' if plan.pad_always else ' where a CUDA graph replays the bucket'}: {why}")
+    rungs = "powers of two" if plan.buckets is None else "a ladder fitted to the sizes met" if plan.buckets == "fit" \
+        else f"buckets {list(plan.buckets)}"
+    ctx.note(f"padded to {rungs}{'' if plan.pad_always else ' where a CUDA graph replays the bucket'}: {why}")
+    if plan.waits_for() > 1:
+        ctx.note(f"padding starts once the graph has met {plan.waits_for()} distinct sizes" +
+                 ("" if ctx.explicit else " (on by default; options={'bucketing': True} pads from the first call)"))
     ctx.wrap_each_call(plan.wrap)
     ctx.during_aot(_no_size_range_guards)
     guards_before = len(plan.shape_env.guards) if plan.shape_env is not None else 0
@@ -318,94 +371,3 @@ def make_plan(gm: fx.GraphModule, ctx: PassContext) -> tuple[Plan | None, str]:
     if refused:
         why += "; not padded: " + "; ".join(refused)
     return plan, why
-
-
-def _mutated_placeholders(aten_gm: fx.GraphModule) -> set[str]:
-    out = set()
-    for node in aten_gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            for arg, a in zip(node.target._schema.arguments, node.args):
-                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, fx.Node) \
-                        and a.op == "placeholder":
-                    out.add(a.name)
-    return out
-
-
-def _padded_placeholders(aten_gm: fx.GraphModule, values: list[Any], padded: frozenset) -> list[str]:
-    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
-    return [n.name for n, v in zip(placeholders, values) if isinstance(v, torch.Tensor)
-            and any(_has(s, padded) for s in v.shape)]
-
-
-def _has(size: Any, padded: frozenset) -> bool:
-    return isinstance(size, torch.SymInt) and bool(size.node.expr.free_symbols & padded)
-
-
-def _shape_env(values: list[Any]) -> Any:
-    for v in values:
-        if isinstance(v, torch.SymInt):
-            return v.node.shape_env
-        if isinstance(v, torch.Tensor):
-            for s in v.shape:
-                if isinstance(s, torch.SymInt):
-                    return s.node.shape_env
-    return None
-
-
-def _trace(gm: fx.GraphModule, values: list[Any]) -> fx.GraphModule:
-    """``gm`` in ATen, traced under Dynamo's fake mode so its sizes are sympy expressions over Dynamo's symbols."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    # the values' own mode: the tracing context may hold another one by now
-    from torch._dispatch.python import enable_python_dispatcher
-
-    fake_mode = next(v.fake_mode for v in values if isinstance(v, torch._subclasses.FakeTensor))
-    env = _shape_env(values)
-    # the Python dispatcher, as Dynamo and AOTAutograd trace with (without it torch 2.9 reads sizes as ints and
-    # specializes the graph to them), and no guards: the proof reads the graph, the compile guards it
-    # a tracing context of that mode too: a tensor constant (torch.tensor(0.0)) is lifted into the context's mode
-    with torch._guards.tracing(torch._guards.TracingContext(fake_mode)), fake_mode, torch.no_grad(), \
-            enable_python_dispatcher(), env.suppress_guards():
-        return make_fx(gm, tracing_mode="real")(*values)
-
-
-def _input_facts(aten_gm: fx.GraphModule, values: list[Any], real: Sequence[Any], padded: frozenset,
-                 names: list[str] | None = None, watched: list | None = None) -> dict[str, AV]:
-    """What the proof starts from: padded inputs hold zeros (False) where padded; a module's small integer or
-    bool buffer (a causal mask kept as a buffer) is known by its values, which each call checks did not change
-    (``watched``: (input, version, address) appended for those)."""
-    facts = {}
-    placeholders = [n for n in aten_gm.graph.nodes if n.op == "placeholder"]
-    for i, (node, v, r) in enumerate(zip(placeholders, values, real)):
-        if not isinstance(v, torch.Tensor):
-            continue
-        shape = tuple(s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s) for s in v.shape)
-        av = AV(shape)
-        zero = False if v.dtype == torch.bool else 0
-        for d, e in enumerate(shape):
-            if getattr(e, "free_symbols", set()) & padded:
-                av.fill[d] = zero  # the padding: zeros
-        if (not av.fill and isinstance(r, torch.Tensor) and r.dtype in (torch.bool, torch.uint8, torch.int8)
-                and not isinstance(r, torch._subclasses.FakeTensor) and r.dim() >= 2
-                and names is not None and "_buffers_" in names[i]):  # Dynamo's name for a module's buffer
-            av.concrete = r.detach().cpu()
-            if watched is not None:
-                watched.append((i, r._version, r.data_ptr()))
-        facts[node.name] = av
-    return facts
-
-
-def _output_dims(gm: fx.GraphModule, padded: frozenset) -> list[tuple[int, list[tuple[int, Any]]]] | None:
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    flat = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else [out_node.args[0]]
-    result = []
-    for i, o in enumerate(flat):
-        v = ir.example_value(o) if isinstance(o, fx.Node) else o
-        if isinstance(v, torch.Tensor):
-            dims = [(d, s.node.expr) for d, s in enumerate(v.shape) if _has(s, padded)]
-            if dims:
-                result.append((i, dims))
-        elif isinstance(v, torch.SymInt) and _has(v, padded):
-            return None
-    return result
-

@@ -394,3 +394,76 @@ class RmsCausal(nn.Module):  # Llama's norm: rsqrt(mean(x * x) + eps) stays fini
 def test_rms_norm_keeps_padded_keys_finite_for_causal_attention():
     rec, err = _run(RmsCausal(), _x)
     assert rec.stats["padded_dims"] == 2 and err < 1e-5, rec.notes
+
+
+def test_after_shapes_waits_for_that_many_distinct_sizes():
+    rec, err = _run(Rows().eval(), _x, options={"after_shapes": 3})
+    assert err < 1e-5
+    assert any("padding starts once the graph has met 3 distinct sizes" in n for n in rec.notes), rec.notes
+    assert any(n.startswith("call 3: 3 distinct sizes met") for n in rec.notes), rec.notes
+    assert _padded(rec) and _padded(rec)[0].startswith("call 3:"), rec.notes  # calls 1 and 2 ran unpadded
+    with pytest.raises(OptionError, match="after_shapes must be 1 or more"):
+        torch.compile(Rows(), backend="kernelpytorch", options={"bucketing": {"after_shapes": 0}})(
+            torch.randn(2, 3, 16))
+
+
+def _default_record(x_sizes, monkeypatch=None):
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    fn = torch.compile(Rows().eval(), backend="kernelpytorch", options={"codegen": "eager", "fusion": False})
+    with torch.no_grad():
+        for b, s in x_sizes:
+            x = torch.randn(b, s, 16)
+            torch._dynamo.mark_dynamic(x, 1)
+            assert (fn(x) - Rows.forward(fn._orig_mod, x)).abs().max() < 1e-5
+    return kpt_compiler.last_report().pass_record("bucketing")
+
+
+def test_not_asked_for_it_runs_for_cuda_inference_only_and_waits(monkeypatch):
+    rec = _default_record([(2, 5), (2, 7)])
+    assert rec.status == "unchanged" and "on by default for CUDA inference only" in rec.notes[0], rec.notes
+    from kpt_compiler import backend as backend_module
+    from kpt_compiler.target import Target
+
+    monkeypatch.setattr(backend_module, "detect_target", lambda *a, **k: Target("cuda", "NVIDIA H100 80GB HBM3",
+                                                                                (9, 0)))
+    rec = _default_record([(2, 5), (2, 7)])
+    assert rec.status == "applied", rec.notes
+    assert any(f"met {bk.AUTO_AFTER_SHAPES} distinct sizes (on by default" in n for n in rec.notes), rec.notes
+    assert not any("compile deferred" in n for r in kpt_compiler.reports() for p in r.passes() for n in p.notes)
+
+
+def test_a_fitted_ladder_pads_less_than_powers_of_two_with_as_many_buckets():
+    import itertools
+    import random
+
+    from kpt_compiler.passes import _ladder
+
+    rng = random.Random(0)
+    for _ in range(30):
+        sizes = sorted({rng.randint(1, 300) for _ in range(rng.randint(1, 9))})
+        fitted = _ladder.fit(sizes)
+        pow2 = {_ladder.power_of_two(v) for v in sizes}
+        assert len(fitted) <= len(pow2) and max(fitted) >= max(sizes)
+
+        def waste(ladder):
+            return sum(_ladder.round_up(v, ladder, "power_of_two") - v for v in sizes)
+
+        # the least padding over every choice of that many buckets among the sizes met (aligned as fit aligns)
+        caps = sorted({v if v <= 16 else -(-v // 8) * 8 for v in sizes})
+        best = min(waste(c) for k in range(1, len(pow2) + 1) for c in itertools.combinations(caps, k)
+                   if max(c) >= max(sizes))
+        assert waste(fitted) == best <= waste(sorted(pow2)), (sizes, fitted)
+    assert _ladder.round_up(700, (100, 500), "power_of_two") == 1024 and _ladder.round_up(700, (100, 500)) == 700
+
+
+def test_buckets_fit_waits_for_eight_sizes_then_pads_to_the_fitted_ladder():
+    sizes = [(2, s) for s in (5, 7, 9, 30, 31, 33, 60, 62, 63, 40, 6)]
+    rec, err = _run(Rows().eval(), _x, sizes=sizes, dims=(1,), options={"buckets": "fit", "dims": [1]})
+    assert err < 1e-5
+    fitted = [n for n in rec.notes if "ladders fitted to the 8 sizes met" in n]
+    assert fitted and fitted[0].startswith("call 8:"), rec.notes
+    ladder = [int(v) for v in fitted[0].split("[")[1].rstrip("]").split(", ")]
+    assert ladder == sorted(ladder) and max(ladder) >= 62 and len(ladder) <= 4, ladder  # 8, 16, 32, 64 as powers
+    padded = [int(n.rsplit("=", 1)[1]) for n in _padded(rec)]
+    assert padded and set(padded) <= set(ladder), (padded, ladder)

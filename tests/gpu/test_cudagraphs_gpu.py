@@ -132,8 +132,16 @@ def test_a_bucket_auto_declines_runs_at_its_own_sizes(monkeypatch):
     assert not pads
 
 
+def test_by_default_bucketing_waits_for_the_fourth_distinct_size_then_captures():
+    sizes = [(3, 50), (4, 60), (2, 33), (4, 40), (3, 64), (4, 63), (4, 50)]  # the 4th: bucket 4x64
+    report = _bucketed_calls({"cudagraphs": {"decide": "always"}}, sizes)
+    notes = report.pass_record("bucketing").notes
+    assert any(n.startswith("call 4: 4 distinct sizes met") for n in notes), notes
+    assert any(": captured (" in n for n in report.pass_record("cudagraphs").notes)
+
+
 def test_without_bucketing_a_dynamic_graph_is_refused_with_the_way_out():
-    report = _bucketed_calls({"cudagraphs": {"decide": "always"}}, [(3, 50), (4, 60)])
+    report = _bucketed_calls({"bucketing": False, "cudagraphs": {"decide": "always"}}, [(3, 50), (4, 60)])
     rec = report.pass_record("cudagraphs")
     assert rec.status != "applied" and any("bucketing" in n for n in rec.notes), rec.notes
 
