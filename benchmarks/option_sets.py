@@ -24,4 +24,8 @@ OPTION_SETS: dict[str, dict] = {
     "bucketing+cudagraphs": {"bucketing": True, "cudagraphs": True},  # the buckets captured as CUDA graphs
     # the same with the graphs' pool capped: the memory bound issue 17 asks to show
     "bucketing+cudagraphs-cap256": {"bucketing": True, "cudagraphs": {"max_pool_mb": 256}},
+    # a ladder per padded dim fitted to the first 8 distinct sizes instead of powers of two
+    "bucketing-fit+cudagraphs": {"bucketing": {"buckets": "fit"}, "cudagraphs": True},
+    # plain kpt buckets by default from the 4th distinct size: this is kpt as it was before that
+    "no-bucketing": {"bucketing": False},
 }
