@@ -77,6 +77,43 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
     return rows
 
 
+SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
+         for bm in (16,) for bn in (32, 64, 128) for bk in (128, 256, 512) for sk in (1, 2, 4, 8)
+         for nw in (4,) for ns in (3, 4)]
+
+
+def sweep(shapes, ms, device: str, rep_ms: float, top: int = 3) -> list[dict]:
+    """Every config of SWEEP (small-M tiles) for NVFP4 at each shape and M: the fastest ``top``, with the
+    heuristic's own choice (kernels/fp4_linear.config_for) and bf16 beside them."""
+    from kpt_compiler.kernels.fp4_linear import config_for
+
+    out = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for n, k in shapes:
+        w = (torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16)
+        q = fmt.quantize(w, fmt.NVFP4)
+        for m in ms:
+            x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
+            t = {}
+            for cfg in SWEEP + [config_for(m, n, k, 16)]:
+                key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
+                try:
+                    t[key] = timing_ms(lambda cfg=cfg: fp4_linear(x, q, config=cfg), device, warmup_ms=rep_ms / 5,
+                                       rep_ms=rep_ms, cuda_graph=device == "cuda").median
+                except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory): skipped
+                    t[key] = float("inf")
+                    print(f"  {key}: {type(e).__name__}", flush=True)
+            bf16 = timing_ms(lambda: F.linear(x, w), device, warmup_ms=rep_ms / 5, rep_ms=rep_ms,
+                             cuda_graph=device == "cuda").median
+            mine = ",".join(f"{a}={b}" for a, b in sorted(config_for(m, n, k, 16).items()))
+            best = sorted(t, key=t.get)[:top]
+            out.append({"N": n, "K": k, "M": m, "bf16_ms": bf16, "heuristic": mine, "heuristic_ms": t[mine],
+                        "best": [(c, t[c]) for c in best]})
+            print(f"{n}x{k} M={m}: bf16 {bf16:.4f} ms, heuristic {t[mine]:.4f} ms, best " +
+                  "; ".join(f"{c} {t[c]:.4f}" for c in best), flush=True)
+    return out
+
+
 def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> str:
     names = list(rows[0]["ms"]) if rows else []
     lines = [f"# fp4 weight GEMM on {card}", "",
@@ -103,6 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="nvfp4,mxfp4")
     p.add_argument("--ms", default="1,4,16,64,256,2048", help="comma-separated M values")
     p.add_argument("--rep-ms", type=float, default=200)
+    p.add_argument("--sweep", action="store_true", help="time every small-M config of SWEEP (NVFP4) instead")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke test of the table on tiny shapes (the eager reference, wall-clock times)")
     args = p.parse_args(argv)
@@ -116,6 +154,12 @@ def main(argv=None) -> int:
             print(error, file=sys.stderr)
             return 2
     shapes = SHAPES if args.device == "cuda" else TINY
+    if args.sweep:
+        rows = sweep(shapes, ms, args.device, args.rep_ms)
+        write_out(args.out, "bench_fp4_sweep", {"card": torch.cuda.get_device_name() if args.device == "cuda" else
+                                                "cpu", "date": str(datetime.date.today()), "commit": git_commit()},
+                  rows, "")
+        return 0
     rows = run(shapes, ms, formats, args.device, args.rep_ms)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     command = "python -m benchmarks.bench_fp4 " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -30,6 +30,28 @@ def test_matches_the_dequantized_matmul(f, M, N, K, dtype, tol):
     assert (y.double().cpu() - ref).abs().max() <= tol * ref.abs().max()
 
 
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("split_k, block_k", [(2, 32), (3, 32), (4, 64)])
+def test_split_k_partial_sums_add_up(f, split_k, block_k):
+    # K = 160 or 192 split in uneven shares: the last program's share is shorter, or empty
+    k = 192 if f is fmt.MXFP4 else 160
+    block_k = max(block_k, f.block)
+    g = torch.Generator().manual_seed(split_k)
+    q = fmt.quantize(torch.randn(40, k, generator=g).to(DEVICE), f)
+    x = torch.randn(3, k, generator=g).to(DEVICE)
+    y = fp4_linear(x, q, config={"split_k": split_k, "block_k": block_k, "block_n": 32})
+    ref = x.double() @ fmt.dequantize(q).double().T
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_small_m_splits_k_so_every_sm_has_work():
+    from kpt_compiler.kernels.fp4_linear import SMS, config_for
+
+    cfg = config_for(1, 4096, 4096, 16)
+    assert cfg["split_k"] > 1 and (4096 // cfg["block_n"]) * cfg["split_k"] >= 2 * SMS
+    assert config_for(2048, 4096, 4096, 16)["split_k"] == 1
+
+
 def test_leading_dims_and_a_strided_input():
     g = torch.Generator().manual_seed(3)
     q = fmt.quantize(torch.randn(24, 64, generator=g).to(DEVICE))
@@ -46,7 +68,7 @@ def test_bad_input_names_what_is_wrong():
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         fp4_linear(torch.randn(2, 32, dtype=torch.float64).to(DEVICE), q)
     with pytest.raises(ValueError, match="multiple of the format's 16"):
-        fp4_linear(torch.randn(2, 32).to(DEVICE), q, block_k=24)
+        fp4_linear(torch.randn(2, 32).to(DEVICE), q, config={"block_k": 24})
 
 
 @pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
