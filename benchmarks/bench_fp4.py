@@ -61,6 +61,9 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
                 impls["fp8"] = (lambda x=x: _fp8_rowwise(x, *fp8), n * k + 4 * n)
             for f, q in quantized.items():
                 impls[f"fp4 {f}"] = (lambda x=x, q=q: fp4_linear(x, q), q.nbytes())
+                if f == "mxfp4" and x.dtype == torch.bfloat16:  # the same weight through triton's scaled dot
+                    impls["fp4 mxfp4 scaled"] = (lambda x=x, q=q: fp4_linear(x, q, config={"scaled_dot": True}),
+                                                 q.nbytes())
             row = {"N": n, "K": k, "M": m, "ms": {}, "weight_tbps": {}, "tflops": {}, "rel_err": {},
                    "sqnr_db": {f"fp4 {f}": round(s, 2) for f, s in snr.items()}}
             for name, (fn, nbytes) in impls.items():
@@ -70,6 +73,7 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
                 row["tflops"][name] = 2 * m * n * k / (t * 1e-3) / 1e12
                 if name.startswith("fp4"):
                     q = quantized[name.split()[1]]
+                    row["sqnr_db"].setdefault(name, row["sqnr_db"][f"fp4 {name.split()[1]}"])
                     ref = x.float() @ fmt.dequantize(q).T
                     row["rel_err"][name] = relative_error(fn().float(), ref)
             rows.append(row)
@@ -77,36 +81,38 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
     return rows
 
 
-SWEEP = [dict(block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=ns)
-         for bm in (16,) for bn in (32, 64, 128) for bk in (128, 256, 512) for sk in (1, 2, 4, 8)
-         for nw in (4,) for ns in (3, 4)]
+SWEEP = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, scaled_dot=sd)
+         for sd in (False, True) for bn in (32, 64, 128) for bk in (128, 256) for sk in (1, 4, 8)]
 
 
 def sweep(shapes, ms, device: str, rep_ms: float, top: int = 3) -> list[dict]:
-    """Every config of SWEEP (small-M tiles) for NVFP4 at each shape and M: the fastest ``top``, with the
-    heuristic's own choice (kernels/fp4_linear.config_for) and bf16 beside them."""
+    """Every config of SWEEP (small-M tiles; NVFP4 dequantized, or MXFP4 through the scaled dot) at each shape
+    and M: the fastest ``top`` of each, with the heuristic's own choice (kernels/fp4_linear.config_for) and bf16
+    beside them."""
     from kpt_compiler.kernels.fp4_linear import config_for
 
     out = []
     g = torch.Generator(device=device).manual_seed(0)
     for n, k in shapes:
         w = (torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16)
-        q = fmt.quantize(w, fmt.NVFP4)
+        qs = {False: fmt.quantize(w, fmt.NVFP4), True: fmt.quantize(w, fmt.MXFP4)}
         for m in ms:
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
             t = {}
             for cfg in SWEEP + [config_for(m, n, k, 16)]:
                 key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
+                q = qs[cfg["scaled_dot"]]
                 try:
-                    t[key] = timing_ms(lambda cfg=cfg: fp4_linear(x, q, config=cfg), device, warmup_ms=rep_ms / 5,
-                                       rep_ms=rep_ms, cuda_graph=device == "cuda").median
+                    t[key] = timing_ms(lambda cfg=cfg, q=q: fp4_linear(x, q, config=cfg), device,
+                                       warmup_ms=rep_ms / 5, rep_ms=rep_ms, cuda_graph=device == "cuda").median
                 except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory): skipped
                     t[key] = float("inf")
                     print(f"  {key}: {type(e).__name__}", flush=True)
             bf16 = timing_ms(lambda: F.linear(x, w), device, warmup_ms=rep_ms / 5, rep_ms=rep_ms,
                              cuda_graph=device == "cuda").median
             mine = ",".join(f"{a}={b}" for a, b in sorted(config_for(m, n, k, 16).items()))
-            best = sorted(t, key=t.get)[:top]
+            best = sorted((c for c in t if "scaled_dot=False" in c), key=t.get)[:top] + \
+                sorted((c for c in t if "scaled_dot=True" in c), key=t.get)[:top]
             out.append({"N": n, "K": k, "M": m, "bf16_ms": bf16, "heuristic": mine, "heuristic_ms": t[mine],
                         "best": [(c, t[c]) for c in best]})
             print(f"{n}x{k} M={m}: bf16 {bf16:.4f} ms, heuristic {t[mine]:.4f} ms, best " +
@@ -140,6 +146,8 @@ def main(argv=None) -> int:
     p.add_argument("--formats", default="nvfp4,mxfp4")
     p.add_argument("--ms", default="1,4,16,64,256,2048", help="comma-separated M values")
     p.add_argument("--rep-ms", type=float, default=200)
+    p.add_argument("--shapes", default=None, help="N x K shapes, comma-separated (default: 4096x4096,14336x4096,"
+                   "4096x14336)")
     p.add_argument("--sweep", action="store_true", help="time every small-M config of SWEEP (NVFP4) instead")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke test of the table on tiny shapes (the eager reference, wall-clock times)")
@@ -154,6 +162,8 @@ def main(argv=None) -> int:
             print(error, file=sys.stderr)
             return 2
     shapes = SHAPES if args.device == "cuda" else TINY
+    if args.shapes:
+        shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
     if args.sweep:
         rows = sweep(shapes, ms, args.device, args.rep_ms)
         write_out(args.out, "bench_fp4_sweep", {"card": torch.cuda.get_device_name() if args.device == "cuda" else

@@ -3,7 +3,8 @@
 
 The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor scale). Each program computes a
 BLOCK_M x BLOCK_N tile of y: per K step it loads x [BLOCK_M, BLOCK_K] and the packed bytes [BLOCK_N,
-BLOCK_K / 2], splits each byte into its two codes (the even element in the low nibble), turns codes into
+BLOCK_K / 2], splits each byte into its two codes (the even element in the low nibble; even and odd elements
+then go through two products, against x's even and odd columns, so nothing is interleaved), turns codes into
 values with integer arithmetic (no table: e = bits 1-2, m = bit 0; twice the value is m where e = 0, else
 (2 + m) << (e - 1); bit 3 the sign), multiplies each block of values by half its scale, and feeds tl.dot in x's
 dtype with an fp32 accumulator. Memory read per weight: half a byte and a scale byte per block. Small M splits
@@ -36,39 +37,53 @@ def _e2m1_twice(code):
 def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ys, stride_ym,
                        stride_yn, E8M0: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                       SCALED_DOT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)  # split-K: this program's share of K (partial sums, added up after)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    rb = tl.arange(0, BLOCK_K // 2)  # packed bytes along K
-    rs = tl.arange(0, BLOCK_K // BLOCK)  # scales along K
+    rb = tl.arange(0, BLOCK_K // 2)  # packed bytes along K: byte j holds elements 2j (low nibble) and 2j + 1
+    rs = tl.arange(0, BLOCK_K // BLOCK)
     half_gs = 0.5 * tl.load(gs_ptr)  # the tensor scale (1 for MXFP4) and the codes' factor 2, from memory
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    m_ok = rm[:, None] < M
+    n_ok = rn[:, None] < N
     for k0 in range(k_start, k_end, BLOCK_K):
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + (k0 + rk)[None, :] * stride_xk,
-                    mask=(rm[:, None] < M) & ((k0 + rk)[None, :] < k_end), other=0.0)
-        packed = tl.load(w_ptr + rn[:, None] * stride_wn + (k0 // 2 + rb)[None, :] * stride_wk,
-                         mask=(rn[:, None] < N) & ((k0 // 2 + rb)[None, :] < k_end // 2), other=0).to(tl.int32)
-        lo = _e2m1_twice(packed & 0xF)
-        hi = _e2m1_twice((packed >> 4) & 0xF)
-        values = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # [.., j, 0] = element 2j, [.., j, 1] = 2j + 1
-        raw = tl.load(s_ptr + rn[:, None] * stride_sn + (k0 // BLOCK + rs)[None, :] * stride_sk,
-                      mask=(rn[:, None] < N) & ((k0 // BLOCK + rs)[None, :] < k_end // BLOCK), other=0)
-        if E8M0:
-            scale = tl.exp2(raw.to(tl.float32) - 127.0) * half_gs
+        kb = k0 // 2 + rb
+        b_ok = (kb < k_end // 2)[None, :]
+        packed = tl.load(w_ptr + rn[:, None] * stride_wn + kb[None, :] * stride_wk, mask=n_ok & b_ok, other=0)
+        if SCALED_DOT:  # MXFP4 as triton's microscaled dot takes it (its own fp4 -> bf16 conversion on Hopper)
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                        mask=m_ok & (rk < k_end)[None, :], other=0.0)
+            sk = k0 // BLOCK + rs
+            raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk,
+                          mask=n_ok & (sk < k_end // BLOCK)[None, :], other=127)
+            acc = tl.dot_scaled(x, None, "bf16", tl.trans(packed), raw, "e2m1", acc)
         else:
-            scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * half_gs
-        w = tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // BLOCK, BLOCK)) * scale[:, :, None],
-                       (BLOCK_N, BLOCK_K))
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
+            # even and odd elements as two products: no interleaving of the nibbles in registers
+            xe = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * kb)[None, :] * stride_xk, mask=m_ok & b_ok,
+                         other=0.0)
+            xo = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * kb + 1)[None, :] * stride_xk, mask=m_ok & b_ok,
+                         other=0.0)
+            raw = tl.load(s_ptr + rn[:, None] * stride_sn + (kb // (BLOCK // 2))[None, :] * stride_sk,
+                          mask=n_ok & b_ok, other=0)  # each byte's block scale (cached re-reads)
+            if E8M0:
+                scale = tl.exp2(raw.to(tl.float32) - 127.0) * half_gs
+            else:
+                scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * half_gs
+            codes = packed.to(tl.int32)
+            lo = (_e2m1_twice(codes & 0xF) * scale).to(xe.dtype)
+            hi = (_e2m1_twice((codes >> 4) & 0xF) * scale).to(xe.dtype)
+            acc = tl.dot(xe, tl.trans(lo), acc, input_precision=PRECISION)
+            acc = tl.dot(xo, tl.trans(hi), acc, input_precision=PRECISION)
     y_ptr += pid_k * stride_ys
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+             mask=m_ok & (rn[None, :] < N))
 
 
 def reference(x: Tensor, q: fmt.Fp4Weight) -> Tensor:
@@ -89,6 +104,7 @@ def config_for(m: int, n: int, k: int, block: int) -> dict:
     else:
         cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
     cfg["block_k"] = max(cfg["block_k"] // block * block, block)
+    cfg["scaled_dot"] = False
     programs = -(-m // cfg["block_m"]) * -(-n // cfg["block_n"])
     steps = -(-k // cfg["block_k"])
     split = 1
@@ -100,7 +116,8 @@ def config_for(m: int, n: int, k: int, block: int) -> dict:
 
 def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Tensor:
     """``x`` [..., K] times the fp4 weight [N, K] transposed: [..., N] in x's dtype. ``config`` overrides
-    ``config_for`` (keys block_m, block_n, block_k, split_k, num_warps, num_stages)."""
+    ``config_for`` (keys block_m, block_n, block_k, split_k, num_warps, num_stages, and scaled_dot: MXFP4
+    with bf16 activations through ``tl.dot_scaled``)."""
     n, k = q.shape
     if x.shape[-1] != k:
         raise ValueError(f"fp4_linear: x has K={x.shape[-1]}, the weight {k}")
@@ -115,6 +132,8 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     bk, split = cfg["block_k"], cfg["split_k"]
     if bk % q.format.block or bk % 2 or k % q.format.block:
         raise ValueError(f"fp4_linear: block_k={bk} must be a multiple of the format's {q.format.block}")
+    if cfg["scaled_dot"] and (q.format.scale_dtype != "e8m0" or x.dtype != torch.bfloat16):
+        raise ValueError("fp4_linear: scaled_dot takes MXFP4 weights (E8M0 scales) and bfloat16 activations")
     per_split = -(-k // (split * bk)) * bk
     split = -(-k // per_split)
     out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
@@ -125,7 +144,8 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
         x2.stride(0), x2.stride(1), q.packed.stride(0), q.packed.stride(1), q.scales.stride(0), q.scales.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
         E8M0=q.format.scale_dtype == "e8m0", BLOCK=q.format.block, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        BLOCK_K=bk, PRECISION=input_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_K=bk, PRECISION=input_precision(x.dtype), SCALED_DOT=cfg["scaled_dot"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     y = out[0] if split == 1 else out.sum(0).to(x.dtype)
     return y.reshape(*lead, n)
 

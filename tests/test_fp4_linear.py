@@ -44,6 +44,19 @@ def test_split_k_partial_sums_add_up(f, split_k, block_k):
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize("M, N, K, split_k", [(1, 32, 64, 1), (5, 48, 128, 2), (17, 33, 192, 3)])
+def test_mxfp4_through_triton_scaled_dot(M, N, K, split_k):
+    # bf16 activations (the scaled dot's own bf16 product was exact in the interpreter, unlike tl.dot's)
+    g = torch.Generator().manual_seed(M + N)
+    q = fmt.quantize(torch.randn(N, K, generator=g).to(DEVICE), fmt.MXFP4)
+    x = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+    y = fp4_linear(x, q, config={"scaled_dot": True, "split_k": split_k, "block_k": 64, "block_n": 32})
+    ref = x.double() @ fmt.dequantize(q).double().T
+    assert y.dtype == torch.bfloat16 and (y.double() - ref).abs().max() <= 1e-2 * ref.abs().max()
+    with pytest.raises(ValueError, match="scaled_dot takes MXFP4 weights"):
+        fp4_linear(x, fmt.quantize(torch.randn(N, K, generator=g).to(DEVICE)), config={"scaled_dot": True})
+
+
 def test_small_m_splits_k_so_every_sm_has_work():
     from kpt_compiler.kernels.fp4_linear import SMS, config_for
 
