@@ -7,7 +7,8 @@ For each weight shape N x K (4096x4096, 14336x4096 and 4096x14336: Llama's atten
 M it times ``y = x @ w.T`` in bf16:
   - bf16: ``F.linear`` (cuBLAS);
   - fp8: ``torch._scaled_mm`` with rowwise scales (x quantized per call, the weight once), the fp8 pass's form;
-  - fp4 <format>: our kernel, the weight quantized once (kernels/_fp4_format.py).
+  - fp4 <format>: our kernel, the weight quantized once (kernels/_fp4_format.py); MXFP4 with bf16 goes through
+    triton's tl.dot_scaled by default, and "fp4 mxfp4 dequant" is the same weight dequantized in registers.
 Times are CUDA-graph replays (``timing_ms(..., cuda_graph=True)``: device time, no launch costs). "weight TB/s"
 is the weight's stored bytes over the time (bf16: 2 bytes per weight; fp8: 1; fp4: 0.5 plus the scales), the
 figure a memory-bound GEMV is judged by; TFLOP/s counts 2 M N K. "vs bf16" is bf16's time over the row's.
@@ -61,9 +62,9 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
                 impls["fp8"] = (lambda x=x: _fp8_rowwise(x, *fp8), n * k + 4 * n)
             for f, q in quantized.items():
                 impls[f"fp4 {f}"] = (lambda x=x, q=q: fp4_linear(x, q), q.nbytes())
-                if f == "mxfp4" and x.dtype == torch.bfloat16:  # the same weight through triton's scaled dot
-                    impls["fp4 mxfp4 scaled"] = (lambda x=x, q=q: fp4_linear(x, q, config={"scaled_dot": True}),
-                                                 q.nbytes())
+                if f == "mxfp4" and x.dtype == torch.bfloat16:  # by default through triton's scaled dot; also ours
+                    impls["fp4 mxfp4 dequant"] = (lambda x=x, q=q: fp4_linear(x, q, config={"scaled_dot": False}),
+                                                  q.nbytes())
             row = {"N": n, "K": k, "M": m, "ms": {}, "weight_tbps": {}, "tflops": {}, "rel_err": {},
                    "sqnr_db": {f"fp4 {f}": round(s, 2) for f, s in snr.items()}}
             for name, (fn, nbytes) in impls.items():

@@ -3,13 +3,15 @@
 
 The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor scale). Each program computes a
 BLOCK_M x BLOCK_N tile of y: per K step it loads x [BLOCK_M, BLOCK_K] and the packed bytes [BLOCK_N,
-BLOCK_K / 2], splits each byte into its two codes (the even element in the low nibble; even and odd elements
-then go through two products, against x's even and odd columns, so nothing is interleaved), turns codes into
+BLOCK_K / 2], splits each byte into its two codes (the even element in the low nibble), turns codes into
 values with integer arithmetic (no table: e = bits 1-2, m = bit 0; twice the value is m where e = 0, else
 (2 + m) << (e - 1); bit 3 the sign), multiplies each block of values by half its scale, and feeds tl.dot in x's
 dtype with an fp32 accumulator. Memory read per weight: half a byte and a scale byte per block. Small M splits
 K over several programs (fp32 partial sums added after) so that every SM has work; the NVFP4 tensor scale is
-read from memory (no host sync: the call can be captured in a CUDA graph).
+read from memory (no host sync: the call can be captured in a CUDA graph). MXFP4 weights with bf16 activations
+go through triton's ``tl.dot_scaled`` instead (its own fp4 conversion), by default: on the H100 it was the
+fastest form measured (benchmarks/results/nvidia-h100-80gb-hbm3/2026-11-27-s14-fp4-25f4925.md), and still far
+from what the weight bytes allow (1.2x bf16 cuBLAS at 4096x14336, M=1; the issue asks 3x).
 """
 
 from __future__ import annotations
@@ -64,23 +66,24 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
             raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk,
                           mask=n_ok & (sk < k_end // BLOCK)[None, :], other=127)
             acc = tl.dot_scaled(x, None, "bf16", tl.trans(packed), raw, "e2m1", acc)
-        else:
-            # even and odd elements as two products: no interleaving of the nibbles in registers
-            xe = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * kb)[None, :] * stride_xk, mask=m_ok & b_ok,
-                         other=0.0)
-            xo = tl.load(x_ptr + rm[:, None] * stride_xm + (2 * kb + 1)[None, :] * stride_xk, mask=m_ok & b_ok,
-                         other=0.0)
-            raw = tl.load(s_ptr + rn[:, None] * stride_sn + (kb // (BLOCK // 2))[None, :] * stride_sk,
-                          mask=n_ok & b_ok, other=0)  # each byte's block scale (cached re-reads)
+        else:  # the second form (measured faster than reading each byte's scale and two products, 25f4925)
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                        mask=m_ok & (rk < k_end)[None, :], other=0.0)
+            codes = packed.to(tl.int32)
+            lo = _e2m1_twice(codes & 0xF)
+            hi = _e2m1_twice((codes >> 4) & 0xF)
+            values = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # [.., j, 0] = element 2j, [.., j, 1] = 2j + 1
+            sk = k0 // BLOCK + rs
+            raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk,
+                          mask=n_ok & (sk < k_end // BLOCK)[None, :], other=0)
             if E8M0:
                 scale = tl.exp2(raw.to(tl.float32) - 127.0) * half_gs
             else:
                 scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * half_gs
-            codes = packed.to(tl.int32)
-            lo = (_e2m1_twice(codes & 0xF) * scale).to(xe.dtype)
-            hi = (_e2m1_twice((codes >> 4) & 0xF) * scale).to(xe.dtype)
-            acc = tl.dot(xe, tl.trans(lo), acc, input_precision=PRECISION)
-            acc = tl.dot(xo, tl.trans(hi), acc, input_precision=PRECISION)
+            w = tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // BLOCK, BLOCK)) * scale[:, :, None],
+                           (BLOCK_N, BLOCK_K))
+            acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
     y_ptr += pid_k * stride_ys
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :] * stride_yn, acc.to(y_ptr.dtype.element_ty),
              mask=m_ok & (rn[None, :] < N))
@@ -94,7 +97,7 @@ def reference(x: Tensor, q: fmt.Fp4Weight) -> Tensor:
 SMS = 132  # an H100's SMs: split-K gives small M at least two programs per SM (a launch heuristic only)
 
 
-def config_for(m: int, n: int, k: int, block: int) -> dict:
+def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False) -> dict:
     """Tile sizes, split-K and launch settings for an M x N x K product (first heuristic; bench_fp4 --sweep
     times the alternatives)."""
     if m <= 16:
@@ -104,7 +107,7 @@ def config_for(m: int, n: int, k: int, block: int) -> dict:
     else:
         cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
     cfg["block_k"] = max(cfg["block_k"] // block * block, block)
-    cfg["scaled_dot"] = False
+    cfg["scaled_dot"] = scaled_dot
     programs = -(-m // cfg["block_m"]) * -(-n // cfg["block_n"])
     steps = -(-k // cfg["block_k"])
     split = 1
@@ -128,7 +131,8 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    cfg = {**config_for(m, n, k, q.format.block), **(config or {})}
+    scaled = q.format.scale_dtype == "e8m0" and x.dtype == torch.bfloat16 and hasattr(tl, "dot_scaled")
+    cfg = {**config_for(m, n, k, q.format.block, scaled), **(config or {})}
     bk, split = cfg["block_k"], cfg["split_k"]
     if bk % q.format.block or bk % 2 or k % q.format.block:
         raise ValueError(f"fp4_linear: block_k={bk} must be a multiple of the format's {q.format.block}")
