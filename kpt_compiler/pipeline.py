@@ -17,9 +17,12 @@ __all__ = ["DEFAULT_PIPELINE", "resolve_pipeline", "describe_pipeline"]
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
     # pre_aot: before AOTAutograd, so a rewrite's backward comes from its replacement's autograd formula
-    "bucketing",  # first: it proves padding safe on the graph as the user wrote it (off unless asked)
+    "bucketing",  # first: it proves padding safe on the graph as the user wrote it (on for CUDA inference)
     "attention",  # first rewrite: it needs the softmax chain intact, before anything fuses parts of it
-    "fp8",  # lossy, off by default; before the fusion rules, which would take its linears into bf16 kernels
+    # lossy, off by default; before the fusion rules, which would take their linears into bf16 kernels. fp4 first:
+    # asked for together, inference layers get fp4 weights and fp8 takes the rest (training graphs)
+    "fp4",
+    "fp8",
     # the fusion group, after attention, which needs the q/k/v projections' outputs as they were
     "fold-conv-bn",  # before the GEMM rules: a folded convolution is no GEMM candidate, and it is cheap
     "fuse-add-norm",  # before the epilogue rule, which would otherwise take the residual add into a GEMM

@@ -10,6 +10,7 @@ from . import (  # noqa: F401  (importing registers them)
     bucketing,
     cudagraphs,
     fold_conv_bn,
+    fp4,
     fp8,
     fuse_add_norm,
     fuse_gated_linear,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import re
 from typing import Literal
 
 import torch
@@ -41,6 +40,8 @@ from ._fp8_recipes import fp8_linear
 from kpt_compiler.cost_model import Candidate, CostModel, source_hash
 
 from ._fusion_common import needs_grad
+from ._linear_layers import module_path as _module_path
+from ._linear_layers import operands as _operands
 
 DEFAULT_BOUND_DB = 20.0
 
@@ -216,13 +217,6 @@ def _exact_transposed(x, w, b=None):
     return torch.addmm(b, x, w)
 
 
-def _operands(node: fx.Node):
-    """(x, weight, bias, whether the weight is stored [K, N]) of a linear or an addmm."""
-    if ir.kind(node) == "addmm":
-        return ir.arg(node, "mat1"), ir.arg(node, "mat2"), ir.arg(node, "input"), True
-    return ir.arg(node, "input"), ir.arg(node, "weight"), ir.arg(node, "bias", None), False
-
-
 def _ineligible(node: fx.Node, options: Fp8Options) -> str | None:
     x, w, b, transposed = _operands(node)
     if transposed and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 3
@@ -249,15 +243,6 @@ def _ineligible(node: fx.Node, options: Fp8Options) -> str | None:
     if x.device.type == "cuda" and options.chosen_recipe != "tensorwise" and x.dtype != torch.bfloat16:
         return f"rowwise scaling on CUDA gives bfloat16 outputs only; this layer is {x.dtype}"
     return None
-
-
-def _module_path(node: fx.Node) -> str | None:
-    """The dotted path of the module that called this linear (``model.layers.0.mlp.up_proj``), or None."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path, _cls = list(stack.values())[-1]
-    return re.sub(r"^L(\[[^\]]*\])+\.?", "", path) or None  # Dynamo's L['self'] / L['args'][0] prefix
 
 
 def _decide(ctx: PassContext, how: str, label: str, M: int, K: int, N: int, dtype, device, recipe: str,

@@ -1,0 +1,247 @@
+"""fp4: the weights of inference linear layers stored as 4-bit floats with block scales (lossy; off by default).
+
+Before (Dynamo's graph)::
+
+    y = F.linear(x, W, b)                     # nn.Linear in an inference graph, W a parameter
+
+After::
+
+    y = kpt::fp4_linear(x, packed, scales, global_scale, block, e8m0) + b     # kernels/fp4_linear.py
+
+The weight is quantized once, when the graph compiles (kernels/_fp4_format.py: NVFP4 by default, E2M1 values in
+blocks of 16 with E4M3 scales and one fp32 scale per tensor, the format of GPUs with fp4 tensor cores; or
+MXFP4, blocks of 32 with power-of-two scales), and the graph reads the packed weight as constants: a quarter of
+bf16's bytes, plus the scales. Weight-only: the activation stays in its dtype and the kernel dequantizes the
+weight in registers, so it pays where reading the weight is the cost (small batches, decoding). Before each
+call the copy is checked against the parameter it was made from and made again if that changed (as the fp8
+pass's static weights, passes/_fp8_static.py). The module keeps its own weight (releasing it is not built).
+
+Eligible: inference graphs (no gradient flows), a linear whose weight is a parameter of the module with both
+dimensions at least ``min_features`` and K a multiple of the format's block, a bfloat16 or float16 layer (fp4
+weights are for models that run in 16 bits; a float32 layer is left alone), a module path matching none of
+``skip``. Each rewrite asks the cost model (``decide``): no calibration has an fp4 table yet, so under "auto"
+it declines and says that "measure" would time it; "always" takes every eligible layer. The lossy guard
+measures each layer's own output against the bf16 layer's on the example inputs (SQNR, dB) and backs out a
+layer under ``error_bound_db``.
+
+Runs on CUDA; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1``, how CI tests it). Asked for
+on XLA or on a CPU without the interpreter, it is an error that says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Literal
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+from kpt_compiler import torch_ir as ir
+from kpt_compiler.cost_model import Candidate, CostModel
+from kpt_compiler.registry import PassContext, graph_pass
+
+from . import _fp8_static
+from ._fusion_common import needs_grad
+from ._linear_layers import module_path, operands
+
+DEFAULT_BOUND_DB = 15.0  # NVFP4 keeps about 20 dB of a Gaussian weight, MXFP4 about 19 (tests/test_fp4_format.py)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp4Options:
+    # NVFP4 (blocks of 16, E4M3 scales, a tensor scale) or MXFP4 (blocks of 32, power-of-two scales)
+    format: Literal["nvfp4", "mxfp4"] = "nvfp4"
+    # module paths to keep in their precision, as fnmatch patterns ("lm_head", "*.0.*")
+    skip: tuple[str, ...] = ()
+    # leave layers with fewer input or output features than this alone
+    min_features: int = 256
+    # the lossy guard backs out a layer whose own output is under this many dB of SQNR (on the example inputs)
+    error_bound_db: float = DEFAULT_BOUND_DB
+    # "auto": the card's calibration (none has an fp4 table yet: declines); "measure": time ours against the
+    # 16-bit layer on the device at compile time; "always": every eligible layer
+    decide: Literal["auto", "measure", "always"] = "auto"
+
+    def __post_init__(self):
+        if self.min_features < 32:
+            raise ValueError(f"min_features must be at least 32 (one MXFP4 block), got {self.min_features}")
+        if isinstance(self.skip, str) or not all(isinstance(p, str) for p in self.skip):
+            raise ValueError(f"skip must be a list of module-path patterns (strings), got {self.skip!r}")
+        if not self.error_bound_db > 0:
+            raise ValueError(f"error_bound_db must be positive (dB of SQNR), got {self.error_bound_db}")
+
+
+def _supports(target, options) -> str | None:
+    from kpt_compiler.kernels import _launch
+
+    if target.device == "xla":
+        return "the fp4 kernel is a Triton kernel for CUDA; XLA devices lower their own matrix products"
+    if not target.is_cuda and not (_launch.INTERPRETED and _launch.INTERPRETER_OK):
+        return (f"the fp4 kernel runs on CUDA, and on the CPU only in Triton's interpreter (TRITON_INTERPRET=1 "
+                f"before import, triton 3.6 or later); this graph runs on {target.device}")
+    return None
+
+
+_TABLE = WeakIdKeyDictionary()  # parameter -> {(format, transposed): Fp4Copy}, as _fp8_static's table
+_fp8_static._TABLES.append(_TABLE)
+
+
+class Fp4Copy(_fp8_static.QuantizedCopy):
+    """A parameter's weight [N, K] in fp4 (``q``), made from ``param`` (``param.t()`` where the layer stores the
+    weight [K, N]); refreshed in place, so graphs and CUDA graphs keep reading the same tensors."""
+
+    def __init__(self, param: torch.Tensor, fmt, transposed: bool):
+        self.fmt, self.transposed, self.dtype = fmt, transposed, param.dtype
+        self.q = self._quantize(param)
+        self._seen(param)
+
+    def _quantize(self, param: torch.Tensor):
+        from kpt_compiler.kernels import _fp4_format
+
+        with torch.no_grad():
+            w = param.detach().t() if self.transposed else param.detach()
+            return _fp4_format.quantize(w, self.fmt)
+
+    def fits(self, param: torch.Tensor) -> bool:
+        shape = tuple(param.shape[::-1] if self.transposed else param.shape)
+        return shape == tuple(self.q.shape) and param.device == self.q.packed.device and param.dtype == self.dtype
+
+    def refresh(self, param: torch.Tensor) -> None:
+        new = self._quantize(param)
+        for mine, theirs in ((self.q.packed, new.packed), (self.q.scales, new.scales),
+                             (self.q.global_scale, new.global_scale)):
+            mine.copy_(theirs)
+        self._seen(param)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes()
+
+
+@graph_pass("fp4", summary="inference linear weights -> 4-bit floats with block scales (NVFP4 or MXFP4), "
+            "dequantized in the GEMM kernel", stage="pre_aot", options=Fp4Options, default=False, lossy=True,
+            error_bound_db=DEFAULT_BOUND_DB, statistics=("matches", "near_misses"), supports=_supports)
+def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    from kpt_compiler.kernels import _fp4_format
+    from kpt_compiler.kernels import fp4_linear as kernel
+
+    fmt = _fp4_format.FORMATS[ctx.options.format]
+    copies, saved, kept = [], 0, 0
+    for node in list(gm.graph.nodes):
+        if ir.kind(node) not in ("linear", "addmm"):
+            continue
+        path = module_path(node)
+        label = f"{node.name} ({path})" if path else node.name
+        why = _ineligible(node, ctx, fmt)
+        if why:
+            ctx.near_miss(f"{label}: {why}")
+            continue
+        x, w, b, transposed = operands(node)
+        param, index = _parameter(w, ctx)
+        if param is None:
+            ctx.near_miss(f"{label}: its weight is not a parameter of the module (fp4 quantizes parameters once, "
+                          "at compile time)")
+            continue
+        xv = ir.example_value(x)
+        N, K = (param.shape[::-1] if transposed else param.shape)
+        M = xv.numel() // K
+        if not _decide(ctx, label, M, K, N, xv.dtype, xv.device, fmt) or not ctx.propose(node.name):
+            continue
+        copy = _fp8_static.cached(_TABLE, param, (fmt.name, transposed), lambda: Fp4Copy(param, fmt, transposed))
+        fake_mode = xv.fake_mode
+        parts = kernel.op_args(copy.q)
+        with gm.graph.inserting_before(node):
+            consts = [ir.add_constant(gm, f"_kpt_fp4_{kind}_{node.name}", t, fake_mode)
+                      for kind, t in zip(("packed", "scales", "scale"), parts[:3])]
+            op = new = ir.emit(gm.graph, torch.ops.kpt.fp4_linear, (x, *consts, *parts[3:]), like=node)
+            if b is not None:
+                new = ir.emit(gm.graph, torch.add, (op, b), like=node)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        exact = param.detach().t() if transposed else param.detach()
+        ctx.check_locally(node.name, op, lambda x, *_, w=exact: F.linear(x, w))  # the guard's figure, bias aside
+        copies.append((index, copy))
+        saved += copy.nbytes
+        kept += param.nbytes
+        ctx.count()
+        ctx.note(f"{label}: {M}x{K} @ {K}x{N} with {fmt.name} weights ({copy.nbytes / 2**20:.2f} MiB against "
+                 f"{param.nbytes / 2**20:.2f} MiB)")
+    if not copies:
+        return False
+    ctx.count("static_weights", len(copies))
+    ctx.before_each_call(lambda args: _fp8_static.refresh(copies, args))
+    ctx.note(f"{len(copies)} weights in {fmt.name}: {saved / 2**20:.1f} MiB read per call instead of "
+             f"{kept / 2**20:.1f} MiB ({kept / max(saved, 1):.1f}x less); the module keeps its own copies")
+    return True
+
+
+def _ineligible(node: fx.Node, ctx: PassContext, fmt) -> str | None:
+    if needs_grad(node):
+        return "a gradient flows through it (fp4 weights are for inference; fp8 trains)"
+    x, w, b, transposed = operands(node)
+    if transposed and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 3
+                       or not isinstance(b, fx.Node) or ir.example_value(b).dim() != 1):
+        return "an addmm that is not x @ W + b (beta, alpha or a bias that is not a vector)"
+    wv, xv = ir.example_value(w), ir.example_value(x)
+    if not isinstance(wv, torch.Tensor) or wv.dim() != 2 or not isinstance(xv, torch.Tensor):
+        return "not a linear layer with a 2-D weight"
+    path = module_path(node)
+    for pattern in ctx.options.skip:
+        if path and fnmatch.fnmatchcase(path, pattern):
+            return f"module {path} matches skip pattern {pattern!r}"
+    if xv.dtype not in (torch.bfloat16, torch.float16) or wv.dtype != xv.dtype:
+        return (f"a {str(xv.dtype).replace('torch.', '')} layer: fp4 weights are for bfloat16 and float16 models "
+                "(cast the model, or leave this layer as it is)")
+    N, K = wv.shape[::-1] if transposed else wv.shape
+    if not all(isinstance(s, int) for s in (N, K)):
+        return "dynamic weight sizes"
+    if K % fmt.block:
+        return f"K={K} input features are not a multiple of {fmt.name}'s block of {fmt.block}"
+    if min(K, N) < ctx.options.min_features:
+        return f"{K}x{N} is under min_features={ctx.options.min_features}"
+    return None
+
+
+def _parameter(w: fx.Node, ctx: PassContext) -> tuple[torch.Tensor | None, int | None]:
+    """(the module parameter behind ``w``, its position among the graph's inputs), or (None, None)."""
+    if not isinstance(w, fx.Node) or w.op != "placeholder":
+        return None, None
+    index = [n for n in w.graph.nodes if n.op == "placeholder"].index(w)
+    try:
+        real = ctx.example_inputs[index]
+    except (RuntimeError, IndexError):  # no example inputs (a later stage), or not Dynamo's calling convention
+        return None, None
+    return (real, index) if isinstance(real, torch.nn.Parameter) else (None, None)
+
+
+def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device, fmt) -> bool:
+    """The cost model's answer for one layer (table ``fp4_linear_<format>``), or timed under "measure"."""
+    from kpt_compiler.kernels import _fp4_format
+    from kpt_compiler.kernels import fp4_linear as kernel
+
+    how = ctx.decide
+    if how == "always":
+        return True
+    measuring = how == "measure"
+    x = w = q = None
+    if measuring:
+        x = torch.randn(M, K, device=device, dtype=dtype)
+        w = torch.randn(N, K, device=device, dtype=dtype)
+        q = _fp4_format.quantize(w, fmt)
+    candidate = Candidate(f"fp4_linear_{fmt.name}", M, {"K": K, "N": N}, dtype, kernel, mkn=(M, K, N),
+                          ours=(lambda: kernel.fp4_linear(x, q)) if measuring else None,
+                          baseline_ms=(lambda: _ms(lambda: F.linear(x, w))) if measuring else None)
+    d = (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
+    if d.rewrite:
+        ctx.note(f"{label}: fp4_linear_{fmt.name} {M}x{K}x{N} ({d.why})")
+    else:
+        ctx.near_miss(f"{label}: fp4_linear_{fmt.name} not faster here ({d.why})")
+    return d.rewrite
+
+
+def _ms(fn) -> float:
+    from kpt_compiler.bench import median_ms
+
+    return median_ms(fn, "cuda", warmup_ms=25, rep_ms=100)

@@ -1,0 +1,144 @@
+"""The fp4 pass on the CPU, its kernel under Triton's interpreter (float16 models: the interpreter's bf16 dot is
+unreliable): which linears it rewrites, each layer's error in dB of SQNR against eager, the guard backing layers
+out, the weight copies following their parameters, and each refusal with its reason."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import kpt_compiler
+import kpt_compiler.backend as backend_module
+from kpt_compiler import OptionError
+from kpt_compiler.kernels import _launch
+from kpt_compiler.lossy_guard import sqnr_db
+from kpt_compiler.target import Target
+
+if not _launch.kernel_runs(torch.empty(0), needs_3_6_interpreter=True):
+    pytest.skip("the fp4 kernel runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1, triton >= 3.6)",
+                allow_module_level=True)
+
+DB = 15.0  # the pass's default bound; NVFP4 keeps about 20 dB of these Gaussian weights
+
+
+class Mlp(nn.Module):
+    def __init__(self, d=256, h=512):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _compile(model, fp4=None, **options):
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    return torch.compile(model, backend="kernelpytorch",
+                         options={"codegen": "eager", "fusion": False, "fp4": fp4 or {"decide": "always"},
+                                  **options})
+
+
+def _model(dtype=torch.float16, **kw):
+    torch.manual_seed(0)
+    return Mlp(**kw).to(dtype).eval()
+
+
+def test_inference_linears_get_fp4_weights_and_each_layer_keeps_its_bound():
+    model = _model()
+    x = torch.randn(4, 7, 256, dtype=torch.float16)
+    with torch.no_grad():
+        out = _compile(model)(x)
+        ref = model.float()(x.float())
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.status == "applied" and rec.matches == 2, rec.notes
+    assert set(rec.layer_db) == {"linear", "linear_1"} and all(DB < v < 30 for v in rec.layer_db.values()), rec
+    assert sqnr_db(out.float(), ref) > DB
+    assert any("2 weights in nvfp4" in n and "less" in n for n in rec.notes), rec.notes
+    ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
+    assert any("fp4_linear" in k for k in ops) and not any(k.endswith("linear") and "fp4" not in k for k in ops), ops
+
+
+def test_mxfp4_too():
+    model = _model()
+    x = torch.randn(3, 256, dtype=torch.float16)
+    with torch.no_grad():
+        out = _compile(model, {"decide": "always", "format": "mxfp4"})(x)
+        ref = model.float()(x.float())
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.matches == 2 and any("mxfp4" in n for n in rec.notes) and sqnr_db(out.float(), ref) > DB
+
+
+def test_a_layer_under_the_bound_is_backed_out_and_runs_as_before():
+    model = _model()
+    x = torch.randn(5, 256, dtype=torch.float16)
+    with torch.no_grad():
+        out = _compile(model, {"decide": "always", "error_bound_db": 40.0})(x)
+        ref = model(x)
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.status == "backed_out" and set(rec.backed_out) == {"linear", "linear_1"}, rec
+    assert torch.equal(out, ref)
+
+
+def test_the_copy_follows_its_parameter():
+    model = _model()
+    compiled = _compile(model)
+    x = torch.randn(2, 256, dtype=torch.float16)
+    with torch.no_grad():
+        compiled(x)
+        model.down.weight.mul_(-1)  # an in-place write: the version moves, the copy is made again
+        out, ref = compiled(x), model.float()(x.float())
+    assert sqnr_db(out.float(), ref) > DB
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("float32", "a float32 layer: fp4 weights are for bfloat16 and float16 models"),
+    ("odd_k", "K=264 input features are not a multiple of nvfp4's block of 16"),
+    ("small", "is under min_features=256"),
+    ("training", "a gradient flows through it"),
+    ("skip", "matches skip pattern 'up'"),
+])
+def test_each_refusal_names_its_reason(case, reason):
+    model = {"float32": lambda: _model(torch.float32), "odd_k": lambda: _model(d=264),
+             "small": lambda: _model(h=128)}.get(case, _model)()
+    fp4 = {"decide": "always", **({"skip": ["up"]} if case == "skip" else {})}
+    x = torch.randn(2, model.up.in_features, dtype=model.up.weight.dtype)
+    if case == "training":
+        model.train()
+        _compile(model, fp4)(x.requires_grad_()).sum().backward()
+    else:
+        with torch.no_grad():
+            _compile(model, fp4)(x)
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert any(reason in n for n in rec.notes), rec.notes
+
+
+def test_auto_declines_without_a_calibration_and_off_by_default():
+    model = _model()
+    x = torch.randn(2, 256, dtype=torch.float16)
+    with torch.no_grad():
+        _compile(model, True)(x)
+        rec = kpt_compiler.last_report().pass_record("fp4")
+        assert rec.matches == 0 and any("not faster here" in n for n in rec.notes), rec.notes
+        torch._dynamo.reset()
+        torch.compile(model, backend="kernelpytorch", options={"codegen": "eager"})(x)
+    assert kpt_compiler.last_report().pass_record("fp4").status == "disabled"
+
+
+def test_asked_for_where_the_kernel_cannot_run_is_an_error(monkeypatch):
+    x = torch.randn(2, 256, dtype=torch.float16)
+    monkeypatch.setattr(_launch, "INTERPRETED", False)
+    with pytest.raises(OptionError, match="TRITON_INTERPRET=1"):
+        _compile(_model())(x)
+    monkeypatch.setattr(backend_module, "detect_target", lambda *a, **k: Target("xla", "xla"))
+    with pytest.raises(OptionError, match="XLA"):
+        _compile(_model())(x)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"format": "fp4"}, "'nvfp4' or 'mxfp4'"),
+    ({"min_features": 16}, "at least 32"),
+    ({"error_bound_db": 0}, "positive"),
+])
+def test_bad_options_say_what_would_be_right(options, message):
+    with pytest.raises(OptionError, match=message):
+        _compile(_model(), options)(torch.randn(2, 256, dtype=torch.float16))
