@@ -43,3 +43,25 @@ def test_the_call_can_be_captured_in_a_cuda_graph():
         y = fp4_linear(x, q)
     graph.replay()
     torch.testing.assert_close(y, fp4_linear(x, q))
+
+
+def test_the_fp4_pass_under_inductor_and_a_cuda_graph():
+    import torch.nn as nn
+
+    import kpt_compiler
+    from kpt_compiler.lossy_guard import sqnr_db
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.SiLU(), nn.Linear(2048, 1024, bias=False)).cuda().bfloat16()
+    model.eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="kernelpytorch", options={"fp4": {"decide": "always"}})
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        outs = [compiled(x) for _ in range(3)]  # the third call replays the CUDA graph
+        ref = model.float()(x.float())
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.status == "applied" and rec.matches == 2, rec.notes
+    assert all(v > 15 for v in rec.layer_db.values()), rec.layer_db
+    for out in outs:
+        assert sqnr_db(out.float(), ref) > 15
