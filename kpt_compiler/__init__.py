@@ -69,11 +69,12 @@ def release_weights(model):
 
 
 def refresh_weights(model) -> int:
-    """Quantize again the static fp8 copies of ``model``'s parameters after a write their check cannot see
-    (through ``param.data``, a fused optimizer's step). Returns how many it refreshed."""
+    """Quantize again the static fp8 and fp4 copies of ``model``'s parameters after a write their check cannot
+    see (through ``param.data``, a fused optimizer's step). Returns how many it refreshed."""
+    from .passes import fp4
     from .passes._fp8_static import refresh_weights as refresh
 
-    return refresh(model)
+    return refresh(model) + fp4.refresh_weights(model)
 
 __all__ = [
     "kernelpytorch",

@@ -36,19 +36,7 @@ from ._fp8_recipes import E4M3, _mm, quantize
 SOURCE_MODULES = ("_fp8_static", "_fp8_recipes")
 
 
-class QuantizedCopy:
-    """A copy of a parameter made at compile time (fp8 here, fp4 in passes/fp4.py), which knows what it was made
-    from. Subclasses give ``fits``, ``refresh`` and ``nbytes``."""
-
-    def _seen(self, param: torch.Tensor) -> None:
-        self.source = weakref.ref(param)
-        self.version, self.ptr = param._version, param.data_ptr()
-
-    def stale(self, param: torch.Tensor) -> bool:
-        return self.source() is not param or param._version != self.version or param.data_ptr() != self.ptr
-
-
-class Fp8Weight(QuantizedCopy):
+class Fp8Weight:
     """A parameter's weight [N, K] in e4m3 (row-major, so ``w8.t()`` is the column-major operand
     ``_scaled_mm`` wants) and its float32 scale: a scalar (tensorwise) or [1, N] (rowwise), made from
     ``param`` (or ``param.t()`` where the layer stores the weight [K, N], as GPT-2's Conv1D)."""
@@ -68,10 +56,17 @@ class Fp8Weight(QuantizedCopy):
                 scale = scale.t().contiguous()  # [1, N], as _scaled_mm takes the second operand's scales
             return w8.contiguous(), scale
 
+    def _seen(self, param: torch.Tensor) -> None:
+        self.source = weakref.ref(param)
+        self.version, self.ptr = param._version, param.data_ptr()
+
     def fits(self, param: torch.Tensor) -> bool:
         """Whether ``param`` can be quantized into this copy's tensors (same shape, dtype and device)."""
         shape = tuple(param.shape[::-1] if self.transposed else param.shape)
         return shape == tuple(self.w8.shape) and param.device == self.w8.device and param.dtype == self.dtype
+
+    def stale(self, param: torch.Tensor) -> bool:
+        return self.source() is not param or param._version != self.version or param.data_ptr() != self.ptr
 
     def refresh(self, param: torch.Tensor) -> None:
         """Quantize ``param`` again into the same tensors (graphs and CUDA graphs read them where they are)."""
@@ -87,39 +82,32 @@ class Fp8Weight(QuantizedCopy):
 
 # by the parameter's identity (a WeakKeyDictionary would compare tensors with ==), not keeping it alive
 _TABLE = WeakIdKeyDictionary()
-_TABLES = [_TABLE]  # every pass's table of copies (passes/fp4.py adds its own): what refresh_weights refreshes
 
 
-def cached(table: WeakIdKeyDictionary, param: torch.Tensor, key: tuple, make) -> QuantizedCopy:
-    """``table``'s copy of ``param`` under ``key``: ``make()`` if there is none or the parameter no longer fits
-    it, quantized again if the parameter changed since."""
-    per_param = table.get(param)
-    if per_param is None:  # held weakly: a copy lives as long as a compiled graph uses it
-        per_param = table[param] = weakref.WeakValueDictionary()
+def weight_for(param: torch.Tensor, granularity: str, transposed: bool) -> Fp8Weight:
+    """The shared ``Fp8Weight`` of ``param`` (quantized now if none is, or if it changed since)."""
+    per_param = _TABLE.get(param)
+    if per_param is None:  # held weakly: an Fp8Weight lives as long as a compiled graph uses it
+        per_param = _TABLE[param] = weakref.WeakValueDictionary()
+    key = (granularity, transposed)
     weight = per_param.get(key)
     if weight is None or not weight.fits(param):  # new, or the parameter changed shape, dtype or device (Dynamo
         # recompiled for it): a new copy, the graphs compiled before keep theirs
-        weight = per_param[key] = make()
+        weight = per_param[key] = Fp8Weight(param, granularity, transposed)
     elif weight.stale(param):
         weight.refresh(param)
     return weight
 
 
-def weight_for(param: torch.Tensor, granularity: str, transposed: bool) -> Fp8Weight:
-    """The shared ``Fp8Weight`` of ``param`` (quantized now if none is, or if it changed since)."""
-    return cached(_TABLE, param, (granularity, transposed), lambda: Fp8Weight(param, granularity, transposed))
-
-
 def refresh_weights(module: torch.nn.Module) -> int:
-    """Quantize again every static fp8 or fp4 copy of ``module``'s parameters (after a write the check before each
-    call cannot see: ``param.data.copy_(...)``, a fused optimizer's step). Returns how many it refreshed."""
+    """Quantize again every static fp8 copy of ``module``'s parameters (after a write the check before each call
+    cannot see: ``param.data.copy_(...)``, a fused optimizer's step). Returns how many it refreshed."""
     done = 0
     for param in module.parameters():
-        for table in _TABLES:
-            for weight in list((table.get(param) or {}).values()):
-                if weight.fits(param):
-                    weight.refresh(param)
-                    done += 1
+        for weight in list((_TABLE.get(param) or {}).values()):
+            if weight.fits(param):
+                weight.refresh(param)
+                done += 1
     return done
 
 

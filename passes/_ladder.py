@@ -5,7 +5,9 @@ A fitted ladder keeps the number of buckets that powers of two would give over t
 same number of CUDA graphs to capture) and places them where the sizes are: it minimises the padding the sizes
 met would get, each counted once, by dynamic programming over the sizes met as candidate buckets (a bucket at a
 size that occurred pads that size by nothing). A bucket past 16 is rounded up to a multiple of 8, the alignment
-the GEMMs and the attention kernels read fastest. Sizes past the largest bucket round up to powers of two.
+the GEMMs and the attention kernels read fastest. A size never pads past its own power of two: where the fitted
+ladder's next bucket is further, the power of two is its bucket (so a size between two far-apart sizes met costs
+no more than powers of two would), and sizes past the largest bucket round up to powers of two.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ def round_up(n: int, ladder: Sequence[int] | None, past: str = "unpadded") -> in
         return power_of_two(n)
     for b in ladder:
         if b >= n:
-            return b
+            return b if past == "unpadded" else min(b, power_of_two(n))
     return n if past == "unpadded" else power_of_two(n)
 
 
 def fit(sizes: Sequence[int], buckets: int | None = None) -> tuple[int, ...]:
-    """At most ``buckets`` sizes (default: as many as powers of two give from the smallest size met to the
-    largest) such that rounding each of ``sizes`` up to the next costs the least padding in all; the largest
-    size met (aligned) is always one of them."""
+    """At most ``buckets`` sizes (default: as many as the distinct powers of two of the sizes met) such that
+    rounding each of ``sizes`` up (``round_up(..., past="power_of_two")``) costs the least padding in all; the
+    largest size met (aligned) is always one of them."""
     values = sorted(set(int(s) for s in sizes))
     if not values:
         raise ValueError("a ladder is fitted to at least one size")
@@ -40,13 +42,17 @@ def fit(sizes: Sequence[int], buckets: int | None = None) -> tuple[int, ...]:
     buckets = max(1, min(buckets, len(values)))
     n = len(values)
     caps = [v if v <= 16 else -(-v // 8) * 8 for v in values]
-    # cost[i][j]: sizes i..j (sorted) all padded to values[j]
-    prefix = [0]
-    for v in values:
-        prefix.append(prefix[-1] + v)
+    # cost[i][j]: the padding of sizes i..j (sorted) with values[j]'s bucket the next (each at most its own
+    # power of two, as round_up gives)
+    table = [[0] * n for _ in range(n)]
+    for j in range(n):
+        total = 0
+        for i in range(j, -1, -1):
+            total += min(caps[j], power_of_two(values[i])) - values[i]
+            table[i][j] = total
 
     def cost(i: int, j: int) -> int:
-        return caps[j] * (j - i + 1) - (prefix[j + 1] - prefix[i])
+        return table[i][j]
 
     inf = float("inf")
     # best[k][j]: the least padding of sizes 0..j with k buckets, the last at values[j]

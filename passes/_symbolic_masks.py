@@ -13,7 +13,9 @@ dense, as before). Integer values only (no float rounding to reason about), and 
 Modeled: ``arange``, integer add/sub with a constant or size, unsqueeze/expand/view-free indexing (None, full
 or constant-start slices, integer tensors indexing leading dims), ``diff`` along the last dim with a one-wide
 ``prepend``, comparisons, ``&``/``|``/``~``, ``cumsum`` of all zeros, ``new_ones``/``zeros`` scalars, ``.to``
-a device or bool/integer dtype, ``where`` between scalars.
+a device or bool/integer dtype, ``where`` between scalars (Python numbers, 0-dim ``zeros``, or a 0-dim
+``torch.tensor`` of a Python number, at the value its dtype holds: transformers 5.17 writes its float mask with
+``torch.tensor(0.0)``).
 """
 
 from __future__ import annotations
@@ -285,8 +287,6 @@ class _Interp:
         return SV(shape, later, kind)
 
 
-
-
 _INPLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.iand, operator.ior,
             operator.ixor, operator.ilshift, operator.irshift, operator.itruediv, operator.ifloordiv, operator.imod}
 
@@ -335,7 +335,9 @@ def allowed(node: fx.Node, how: str, fill: Any) -> Any:
         return None
     n = len(v.shape)
     if n < 2 or pred.free_symbols - {_var(n - 2), _var(n - 1)} or v.shape[-2] != v.shape[-1]:
-        return None  # or as many queries as keys: is_causal's top-left triangle and the mask's agree then  # depends on the batch or head, or on a size: not one pattern for every row
+        # a predicate reading the batch or head, or a size, is not one pattern for every row; and is_causal's
+        # top-left triangle agrees with the mask's only with as many queries as keys
+        return None
     return pred.xreplace({_var(n - 2): _Q, _var(n - 1): _K})
 
 

@@ -108,8 +108,7 @@ class Plan:
         return max(self.after_shapes, FIT_AFTER_SHAPES) if self.buckets == "fit" else self.after_shapes
 
     def _fit(self) -> None:
-        where = list(self.sources)
-        self.ladders = {s: ladder.fit([m[where.index(s)] for m in self.met]) for s in self.symbols}
+        self.ladders = {s: ladder.fit([m[i] for m in self.met]) for i, s in enumerate(self.symbols)}
         if self.notes is not None:
             fitted = "; ".join(f"{s}: {list(v)}" for s, v in self.ladders.items())
             self.notes.append(f"call {self.calls}: ladders fitted to the {len(self.met)} sizes met: {fitted}")
@@ -133,8 +132,9 @@ class Plan:
         if self.withdrawn or self.graphs is None and not self.pad_always:
             return compiled(*args)
         real = tuple(_size(args, where) for where in self.sources.values())
-        if self.met is not None:  # waiting for enough distinct sizes
-            self.met.add(real)
+        if self.met is not None:  # waiting for enough distinct sizes of the padded dims (others may vary too)
+            where = list(self.sources)
+            self.met.add(tuple(real[where.index(s)] for s in self.symbols))
             if len(self.met) < self.waits_for():
                 return compiled(*args)
             if self.buckets == "fit":

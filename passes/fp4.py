@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import weakref
 from typing import Literal
 
 import torch
@@ -44,6 +45,7 @@ from kpt_compiler.cost_model import Candidate, CostModel
 from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _fp8_static
+from . import _symbolic_masks as symbolic_masks
 from ._fusion_common import needs_grad
 from ._linear_layers import module_path, operands
 
@@ -84,18 +86,24 @@ def _supports(target, options) -> str | None:
     return None
 
 
-_TABLE = WeakIdKeyDictionary()  # parameter -> {(format, transposed): Fp4Copy}, as _fp8_static's table
-_fp8_static._TABLES.append(_TABLE)
+# parameter -> {(format, transposed): Fp4Copy}, weakly both ways (the fp8 pass's static weights keep theirs so
+# too; that module stays as its calibration measured it, so this one has its own table)
+_TABLE = WeakIdKeyDictionary()
 
 
-class Fp4Copy(_fp8_static.QuantizedCopy):
+class Fp4Copy:
     """A parameter's weight [N, K] in fp4 (``q``), made from ``param`` (``param.t()`` where the layer stores the
-    weight [K, N]); refreshed in place, so graphs and CUDA graphs keep reading the same tensors."""
+    weight [K, N]); refreshed in place, so graphs and CUDA graphs keep reading the same tensors. ``stale`` says
+    whether a parameter is not the one it was made from as it was (identity, version, storage)."""
 
     def __init__(self, param: torch.Tensor, fmt, transposed: bool):
         self.fmt, self.transposed, self.dtype = fmt, transposed, param.dtype
         self.q = self._quantize(param)
-        self._seen(param)
+        self.made_from = (weakref.ref(param), param._version, param.data_ptr())
+
+    def stale(self, param: torch.Tensor) -> bool:
+        ref, version, ptr = self.made_from
+        return ref() is not param or (param._version, param.data_ptr()) != (version, ptr)
 
     def _quantize(self, param: torch.Tensor):
         from kpt_compiler.kernels import _fp4_format
@@ -113,11 +121,36 @@ class Fp4Copy(_fp8_static.QuantizedCopy):
         for mine, theirs in ((self.q.packed, new.packed), (self.q.scales, new.scales),
                              (self.q.global_scale, new.global_scale)):
             mine.copy_(theirs)
-        self._seen(param)
+        self.made_from = (weakref.ref(param), param._version, param.data_ptr())
 
     @property
     def nbytes(self) -> int:
         return self.q.nbytes()
+
+
+def copy_for(param: torch.Tensor, fmt, transposed: bool) -> Fp4Copy:
+    """The shared copy of ``param`` in ``fmt``: made now if there is none or the parameter no longer fits it
+    (a recompile for another shape, dtype or device gets a new one), made again if it changed since."""
+    mine = _TABLE.get(param)
+    if mine is None:
+        mine = _TABLE[param] = weakref.WeakValueDictionary()  # a copy lives as long as a graph reads it
+    copy = mine.get((fmt.name, transposed))
+    if copy is None or not copy.fits(param):
+        copy = mine[(fmt.name, transposed)] = Fp4Copy(param, fmt, transposed)
+    elif copy.stale(param):
+        copy.refresh(param)
+    return copy
+
+
+def refresh_weights(module: torch.nn.Module) -> int:
+    """Make again every fp4 copy of ``module``'s parameters (kpt_compiler.refresh_weights)."""
+    done = 0
+    for param in module.parameters():
+        for copy in list((_TABLE.get(param) or {}).values()):
+            if copy.fits(param):
+                copy.refresh(param)
+                done += 1
+    return done
 
 
 @graph_pass("fp4", summary="inference linear weights -> 4-bit floats with block scales (NVFP4 or MXFP4), "
@@ -128,6 +161,9 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
     from kpt_compiler.kernels import fp4_linear as kernel
 
     fmt = _fp4_format.FORMATS[ctx.options.format]
+    if not ctx.is_inference:
+        ctx.note("not applied: a training graph (fp4 weights are for inference; the fp8 pass trains)")
+        return False
     copies, saved, kept = [], 0, 0
     for node in list(gm.graph.nodes):
         if ir.kind(node) not in ("linear", "addmm"):
@@ -144,12 +180,21 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
             ctx.near_miss(f"{label}: its weight is not a parameter of the module (fp4 quantizes parameters once, "
                           "at compile time)")
             continue
+        if symbolic_masks.mutated(w):
+            ctx.near_miss(f"{label}: the graph writes into its weight (a copy made before the call would lag it)")
+            continue
+        if param.is_inference():
+            ctx.near_miss(f"{label}: its weight is an inference tensor (made under torch.inference_mode), whose "
+                          "changes cannot be seen; build the model outside inference_mode and compile under no_grad")
+            continue
         xv = ir.example_value(x)
         N, K = (param.shape[::-1] if transposed else param.shape)
         M = xv.numel() // K
+        if isinstance(M, torch.SymInt):  # a dynamic batch: decided (and timed) at the size traced
+            M = M.node.hint if M.node.hint is not None else 1
         if not _decide(ctx, label, M, K, N, xv.dtype, xv.device, fmt) or not ctx.propose(node.name):
             continue
-        copy = _fp8_static.cached(_TABLE, param, (fmt.name, transposed), lambda: Fp4Copy(param, fmt, transposed))
+        copy = copy_for(param, fmt, transposed)
         fake_mode = xv.fake_mode
         parts = kernel.op_args(copy.q)
         with gm.graph.inserting_before(node):
@@ -180,6 +225,8 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
 def _ineligible(node: fx.Node, ctx: PassContext, fmt) -> str | None:
     if needs_grad(node):
         return "a gradient flows through it (fp4 weights are for inference; fp8 trains)"
+    if "out" in node.kwargs:
+        return "it writes into out= (the rewrite returns a new tensor)"
     x, w, b, transposed = operands(node)
     if transposed and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 3
                        or not isinstance(b, fx.Node) or ir.example_value(b).dim() != 1):

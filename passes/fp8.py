@@ -218,6 +218,8 @@ def _exact_transposed(x, w, b=None):
 
 
 def _ineligible(node: fx.Node, options: Fp8Options) -> str | None:
+    if "out" in node.kwargs:
+        return "it writes into out= (the rewrite returns a new tensor)"
     x, w, b, transposed = _operands(node)
     if transposed and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 3
                        or not isinstance(b, fx.Node) or ir.example_value(b).dim() != 1):

@@ -2,6 +2,8 @@
 unreliable): which linears it rewrites, each layer's error in dB of SQNR against eager, the guard backing layers
 out, the weight copies following their parameters, and each refusal with its reason."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -94,7 +96,7 @@ def test_the_copy_follows_its_parameter():
     ("float32", "a float32 layer: fp4 weights are for bfloat16 and float16 models"),
     ("odd_k", "K=264 input features are not a multiple of nvfp4's block of 16"),
     ("small", "is under min_features=256"),
-    ("training", "a gradient flows through it"),
+    ("training", "a training graph"),
     ("skip", "matches skip pattern 'up'"),
 ])
 def test_each_refusal_names_its_reason(case, reason):
@@ -142,3 +144,58 @@ def test_asked_for_where_the_kernel_cannot_run_is_an_error(monkeypatch):
 def test_bad_options_say_what_would_be_right(options, message):
     with pytest.raises(OptionError, match=message):
         _compile(_model(), options)(torch.randn(2, 256, dtype=torch.float16))
+
+
+def test_a_write_the_check_cannot_see_is_announced_with_refresh_weights():
+    model = _model()
+    compiled = _compile(model)
+    x = torch.randn(2, 256, dtype=torch.float16)
+    with torch.no_grad():
+        compiled(x)
+        model.down.weight.data.mul_(-1)  # through .data: no version moves, the copy is not made again
+        ref = copy.deepcopy(model).float()(x.float())
+        assert sqnr_db(compiled(x).float(), ref) < 0
+        assert kpt_compiler.refresh_weights(model) == 2
+        assert sqnr_db(compiled(x).float(), ref) > DB
+
+
+class _Writes(nn.Module):  # cases a review found rewritten wrongly (2026-11-27)
+    def __init__(self, case):
+        super().__init__()
+        self.case, self.lin = case, nn.Linear(256, 256)
+
+    def forward(self, x):
+        if self.case == "out":
+            o = torch.zeros(x.shape[0], 256, dtype=x.dtype)
+            torch.addmm(self.lin.bias, x, self.lin.weight.t(), out=o)
+            return o
+        self.lin.weight.mul_(1.0)  # the graph writes into the weight before reading it
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("case, reason", [("out", "writes into out="), ("mutated", "writes into its weight")])
+def test_a_layer_whose_output_or_weight_the_graph_writes_stays(case, reason):
+    torch.manual_seed(0)
+    model = _Writes(case).half().eval()
+    x = torch.randn(3, 256, dtype=torch.float16)
+    with torch.no_grad():
+        out = _compile(model)(x)
+        assert torch.allclose(out, model(x))
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.matches == 0 and any(reason in n for n in rec.notes), rec.notes
+
+
+def test_a_frozen_layer_in_a_training_graph_and_an_inference_tensor_weight_stay():
+    model = _model()
+    model.up.requires_grad_(False)  # frozen, in a graph that trains the next layer
+    model.train()
+    x = torch.randn(2, 256, dtype=torch.float16)
+    _compile(model)(x).float().sum().backward()
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.matches == 0 and any("a training graph" in n for n in rec.notes), rec.notes
+    with torch.inference_mode():
+        built = _model()
+    with torch.no_grad():
+        _compile(built)(x)
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.matches == 0 and any("inference tensor" in n for n in rec.notes), rec.notes
