@@ -163,8 +163,10 @@ def _finite(x: float) -> float | None:
 
 
 def train_run(name: str, seed: int, options: dict, *, cfg: dict, steps: int, eval_every: int, device: str,
-              dtype: torch.dtype, task: MarkovTask, eval_data: torch.Tensor) -> dict[str, Any]:
-    """One training run from a fresh compile: losses, times and what the compiler did."""
+              dtype: torch.dtype, task: MarkovTask, eval_data: torch.Tensor,
+              trained: list | None = None) -> dict[str, Any]:
+    """One training run from a fresh compile: losses, times and what the compiler did (and the trained model
+    appended to ``trained`` where given: benchmarks/fp4_quality.py evaluates it)."""
     import kpt_compiler
     from kpt_compiler.models.gpt import GPT, GPTConfig
 
@@ -231,6 +233,8 @@ def train_run(name: str, seed: int, options: dict, *, cfg: dict, steps: int, eva
             print(f"  {name}: step {step + 1}/{steps} loss {train_losses[-1]:.4f}"
                   + (f" eval {last:.4f}" if last is not None else ""), flush=True)
     wall_s = time.perf_counter() - start
+    if trained is not None:
+        trained.append(model)
     final_train = statistics.fmean(train_losses[-FINAL_STEPS:])
     return {
         "seed": seed,

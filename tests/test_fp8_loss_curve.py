@@ -107,3 +107,22 @@ def test_tiny_run_bf16_and_fp8(tmp_path):
     png.unlink()
     assert fp8_loss_curve.main(["--plot", str(out / "fp8_loss_curve.json")]) == 0
     assert png.stat().st_size > 10_000
+
+
+def test_fp4_quality_trains_then_compares_perplexity_and_top1(tmp_path):
+    # benchmarks/fp4_quality.py: the tiny GPT trained a few steps on the CPU, then evaluated with fp4 weights
+    import json
+
+    from kpt_compiler.kernels import _launch
+
+    if not _launch.kernel_runs(torch.empty(0), needs_3_6_interpreter=True):
+        pytest.skip("the fp4 kernel runs on the CPU only in Triton's interpreter")
+    from benchmarks import fp4_quality
+
+    assert fp4_quality.main(["--device", "cpu", "--tiny", "--steps", "4", "--formats", "nvfp4",
+                             "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "fp4_quality.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["16-bit", "fp4 nvfp4"]
+    fp4 = rows[1]
+    assert fp4["layers"] == 9 and not fp4["backed_out"] and 0.5 < fp4["top1_agreement"] <= 1.0
+    assert abs(fp4["loss"] - rows[0]["loss"]) < 0.5 and all(v > 15 for v in fp4["layer_db"].values())
