@@ -99,6 +99,10 @@ class Plan:
     met: set = dataclasses.field(default_factory=set)  # the distinct sizes met while waiting
     ladders: dict | None = None  # buckets="fit": symbol -> its fitted ladder
 
+    def __post_init__(self):
+        where = list(self.sources)  # the padded symbols' places among the sizes ``call`` reads
+        self._padded_at = [where.index(s) for s in self.symbols if s in self.sources]
+
     def bucket(self, n: int, symbol: Any = None) -> int:
         if self.ladders is not None:
             return ladder.round_up(n, self.ladders.get(symbol), past="power_of_two")
@@ -133,8 +137,7 @@ class Plan:
             return compiled(*args)
         real = tuple(_size(args, where) for where in self.sources.values())
         if self.met is not None:  # waiting for enough distinct sizes of the padded dims (others may vary too)
-            where = list(self.sources)
-            self.met.add(tuple(real[where.index(s)] for s in self.symbols))
+            self.met.add(tuple(real[i] for i in self._padded_at))
             if len(self.met) < self.waits_for():
                 return compiled(*args)
             if self.buckets == "fit":

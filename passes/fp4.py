@@ -31,7 +31,6 @@ on XLA or on a CPU without the interpreter, it is an error that says so.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import weakref
 from typing import Literal
 
@@ -47,7 +46,7 @@ from kpt_compiler.registry import PassContext, graph_pass
 from . import _fp8_static
 from . import _symbolic_masks as symbolic_masks
 from ._fusion_common import needs_grad
-from ._linear_layers import module_path, operands
+from ._linear_layers import module_path, not_plain, operands
 
 DEFAULT_BOUND_DB = 15.0  # NVFP4 keeps about 20 dB of a Gaussian weight, MXFP4 about 19 (tests/test_fp4_format.py)
 
@@ -225,19 +224,11 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
 def _ineligible(node: fx.Node, ctx: PassContext, fmt) -> str | None:
     if needs_grad(node):
         return "a gradient flows through it (fp4 weights are for inference; fp8 trains)"
-    if "out" in node.kwargs:
-        return "it writes into out= (the rewrite returns a new tensor)"
-    x, w, b, transposed = operands(node)
-    if transposed and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 3
-                       or not isinstance(b, fx.Node) or ir.example_value(b).dim() != 1):
-        return "an addmm that is not x @ W + b (beta, alpha or a bias that is not a vector)"
+    why = not_plain(node, ctx.options.skip)
+    if why:
+        return why
+    x, w, _b, transposed = operands(node)
     wv, xv = ir.example_value(w), ir.example_value(x)
-    if not isinstance(wv, torch.Tensor) or wv.dim() != 2 or not isinstance(xv, torch.Tensor):
-        return "not a linear layer with a 2-D weight"
-    path = module_path(node)
-    for pattern in ctx.options.skip:
-        if path and fnmatch.fnmatchcase(path, pattern):
-            return f"module {path} matches skip pattern {pattern!r}"
     if xv.dtype not in (torch.bfloat16, torch.float16) or wv.dtype != xv.dtype:
         return (f"a {str(xv.dtype).replace('torch.', '')} layer: fp4 weights are for bfloat16 and float16 models "
                 "(cast the model, or leave this layer as it is)")

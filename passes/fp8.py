@@ -25,7 +25,6 @@ Runs in stage pre_aot, so AOTAutograd traces the replacement's own backward, as 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from typing import Literal
 
 import torch
@@ -41,6 +40,7 @@ from kpt_compiler.cost_model import Candidate, CostModel, source_hash
 
 from ._fusion_common import needs_grad
 from ._linear_layers import module_path as _module_path
+from ._linear_layers import not_plain
 from ._linear_layers import operands as _operands
 
 DEFAULT_BOUND_DB = 20.0
@@ -218,21 +218,13 @@ def _exact_transposed(x, w, b=None):
 
 
 def _ineligible(node: fx.Node, options: Fp8Options) -> str | None:
-    if "out" in node.kwargs:
-        return "it writes into out= (the rewrite returns a new tensor)"
-    x, w, b, transposed = _operands(node)
-    if transposed and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1 or len(node.args) > 3
-                       or not isinstance(b, fx.Node) or ir.example_value(b).dim() != 1):
-        return "an addmm that is not x @ W + b (beta, alpha or a bias that is not a vector)"
+    why = not_plain(node, options.skip)
+    if why:
+        return why
+    x, w, _b, transposed = _operands(node)
     w, x = ir.example_value(w), ir.example_value(x)
-    if not isinstance(w, torch.Tensor) or w.dim() != 2 or not isinstance(x, torch.Tensor):
-        return "not a linear layer with a 2-D weight"
     if transposed:
         w = w.t()
-    path = _module_path(node)
-    for pattern in options.skip:
-        if path and fnmatch.fnmatchcase(path, pattern):
-            return f"module {path} matches skip pattern {pattern!r}"
     if not all(isinstance(s, int) for s in (*x.shape, *w.shape)):
         return "dynamic shapes (the scaled GEMM needs its sizes at compile time)"
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dtype != x.dtype:
