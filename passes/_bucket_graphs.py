@@ -45,6 +45,10 @@ class _Captured:
 
 
 class BucketGraphs:
+    # addresses of written inputs held per bucket: generate() makes a new static cache per call, and the
+    # allocator tends to hand the freed cache's blocks back, so a few sets cover a run of calls
+    MAX_ADDRESS_SETS = 4
+
     def __init__(self, settings: CaptureSettings, mutated_inputs: bool, mutated: frozenset[int] | None = None):
         self.settings = settings
         # mutated: the arguments the graph writes into, read in place (a capture replays the write into them; a
@@ -58,6 +62,8 @@ class BucketGraphs:
         self.last_ptrs: dict[tuple, list[int]] = {}
         self.pool_mb = 0.0
         self.recaptures = 0
+        # graphs that write into their inputs: per bucket, one graph per set of those inputs' addresses
+        self.by_address: dict[tuple, dict[tuple, _Captured]] = {}
         self.notes: list[str] | None = None
 
     def note(self, message: str) -> None:
@@ -69,13 +75,18 @@ class BucketGraphs:
         """The outputs of ``compiled`` on ``args`` padded to this bucket, from its CUDA graph (in the shared pool:
         copy them out before the next replay); None where the bucket runs without one (the caller then pads and
         calls ``compiled`` itself)."""
-        cap = self.graphs.get(key)
-        if cap is not None:
-            if any(args[i].data_ptr() != cap.in_place[i] for i in self.mutated):
-                del self.graphs[key]  # a written input moved (a new cache per generate() call): capture again
-                self.pool_mb -= cap.pool_mb
-                self.recaptures += 1
-            else:
+        recapture = False
+        if self.mutated:  # one graph per set of addresses of the written inputs (a cache per generate() call)
+            where = tuple(args[i].data_ptr() for i in sorted(self.mutated))
+            held = self.by_address.setdefault(key, {})
+            cap = held.get(where)
+            if cap is not None:
+                held[where] = held.pop(where)  # most recently used last
+                return self._replay(cap, args, padded_args)
+            recapture = bool(held)
+        else:
+            cap = self.graphs.get(key)
+            if cap is not None:
                 return self._replay(cap, args, padded_args)
         if key in self.declined:
             return None
@@ -90,20 +101,33 @@ class BucketGraphs:
             return None
         if n < 2:
             return None  # the first call compiles the kernels for these sizes
-        stable = {i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in padded_args
-                  and (isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None)
-                       or previous is not None and previous[i] == ptrs[i] or i in self.mutated)}
-        cap = self._capture(compiled, args, padded_args, padded_shapes, stable)
+        if recapture:  # read in place what the first capture read in place (the written inputs at their new place)
+            stable = set(next(iter(held.values())).in_place) | set(self.mutated)
+        else:
+            stable = {i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in padded_args
+                      and (isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None)
+                           or previous is not None and previous[i] == ptrs[i] or i in self.mutated)}
+        cap = self._capture(compiled, args, padded_args, padded_shapes, stable, warm_up=not recapture)
         if cap is None:
             return None
-        self.graphs[key] = cap
         self.pool_mb += cap.pool_mb
-        if self.recaptures:
-            return self._replay(cap, args, padded_args)  # captured again for moved inputs: no note each time
+        if self.mutated:
+            held = self.by_address[key]
+            held[where] = cap
+            self.graphs[key] = cap
+            if recapture:
+                self.recaptures += 1
+                if len(held) > self.MAX_ADDRESS_SETS:  # the least recently used goes (its pool memory is reused)
+                    old = held.pop(next(iter(held)))
+                    self.pool_mb -= old.pool_mb
+                return self._replay(cap, args, padded_args)  # no note each time
+        else:
+            self.graphs[key] = cap
         self.note(f"bucket {_label(sizes)}: captured ({cap.pool_mb:.1f} MiB more in the graphs' pool, "
                   f"{self.pool_mb:.1f} MiB in all)")
         if self.settings.max_pool_mb is not None and self.pool_mb > self.settings.max_pool_mb:
             del self.graphs[key]
+            self.by_address.pop(key, None)
             self.pool_mb -= cap.pool_mb
             self.declined[key] = f"the pool would hold {self.pool_mb + cap.pool_mb:.0f} MiB, over max_pool_mb"
             self.note(f"bucket {_label(sizes)}: capture released: {self.declined[key]}")
@@ -124,7 +148,7 @@ class BucketGraphs:
                         f"{self.settings.launch_bound_ms}: launches do not dominate")
         return None
 
-    def _capture(self, compiled, args, padded_args, padded_shapes, stable) -> _Captured | None:
+    def _capture(self, compiled, args, padded_args, padded_shapes, stable, warm_up: bool = True) -> _Captured | None:
         buffers, static_args, in_place = {}, list(args), {}
         for i, a in enumerate(args):
             if i in padded_args:
@@ -144,10 +168,11 @@ class BucketGraphs:
         side.wait_stream(torch.cuda.current_stream())
         # warm-up on a side stream, as torch.cuda.graphs asks; inputs the graph writes into get copies there, or
         # the warm-up would apply the write twice (a cache's length counter one ahead: out-of-bounds indices)
-        warm = [a.clone() if i in self.mutated else a for i, a in enumerate(static_args)]
-        with torch.cuda.stream(side):
-            compiled(*warm)
-        del warm
+        if warm_up:  # not when capturing again for moved inputs: the kernels and workspaces exist by then
+            warm = [a.clone() if i in self.mutated else a for i, a in enumerate(static_args)]
+            with torch.cuda.stream(side):
+                compiled(*warm)
+            del warm
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -226,5 +251,6 @@ def own_capture(ctx, mutated: frozenset[int]) -> bool:
     ctx.note_after_compile(lambda notes: setattr(graphs, "notes", notes))
     ctx.count("captured")
     ctx.note(f"captured as a CUDA graph of ours (it writes into {len(mutated)} inputs, which Inductor's trees "
-             "decline): written inputs read in place, captured again when one moves; outputs copied out")
+             "decline): written inputs read in place, one graph per set of their addresses (a new cache per "
+             "generate() call; a few held), captured again without a warm-up when they move; outputs copied out")
     return True

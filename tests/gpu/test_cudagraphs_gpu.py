@@ -165,3 +165,34 @@ def test_a_graph_writing_into_its_inputs_is_captured_by_us_and_the_writes_land()
     rec = kpt_compiler.last_report().pass_record("cudagraphs")
     assert rec.status == "applied" and any("CUDA graph of ours" in n for n in rec.notes), rec.notes
     assert any(": captured (" in n for n in rec.notes), rec.notes
+
+
+def test_a_written_input_met_again_at_an_address_captured_before_replays_that_graph(monkeypatch):
+    # generate() makes a new static cache per call: one graph per set of the cache's addresses, the second
+    # captured without a warm-up run, and a cache met again replays its own graph instead of capturing again
+    made = []
+
+    class Counted(torch.cuda.CUDAGraph):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Counted)
+
+    def step(x, cache, pos):
+        cache.index_copy_(0, pos, x)
+        return cache.sum(0) * 2
+
+    torch._dynamo.reset()
+    f = torch.compile(step, backend="kernelpytorch", options={"cudagraphs": {"decide": "always"}})
+    caches = {name: (torch.zeros(8, 16, device="cuda"), torch.zeros(8, 16, device="cuda")) for name in "AB"}
+    captured_after = []
+    for name in "ABA":
+        cache, ref = caches[name]
+        cache.zero_(), ref.zero_()
+        for i in range(4):
+            x, pos = torch.randn(1, 16, device="cuda"), torch.tensor([i], device="cuda")
+            torch.testing.assert_close(f(x, cache, pos), step(x, ref, pos))
+        torch.testing.assert_close(cache, ref)
+        captured_after.append(len(made))
+    assert captured_after == [1, 2, 2], captured_after
