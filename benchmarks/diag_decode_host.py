@@ -1,7 +1,8 @@
 """Usage: PYTHONPATH=. python3 -m benchmarks.diag_decode_host [auto|always|eager] (GPU).
 
 Where a decode token's wall time goes under kpt[cudagraphs-always] (issue 17: 2.6 ms/token vs 1.67 device):
-per generate(64), the host time inside the compiled forward, inside each kpt graph, and cProfile's top functions."""
+per generate(64), the host time inside the compiled forward, inside each kpt graph, the CUDA graphs captured
+during the timed calls, and cProfile's top functions."""
 import cProfile
 import pstats
 import sys
@@ -33,6 +34,17 @@ def counted(gm, example_inputs, pm):
 
 
 KB._run_pipeline_and_emit = counted
+captures = [0]
+_Graph = torch.cuda.CUDAGraph
+
+
+class CountedGraph(_Graph):  # CUDA graphs captured (ours: one per static cache's addresses not met before)
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        captures[0] += 1
+
+
+torch.cuda.CUDAGraph = CountedGraph
 model = build_model(FULL, "cuda", torch.bfloat16)
 ids = torch.randint(0, 32000, (1, 16), device="cuda")
 forward = model.forward
@@ -66,13 +78,14 @@ with torch.no_grad():
     for s in stats.values():
         s[:] = [0, 0.0]
     fwd[:] = [0, 0.0]
+    captures[0] = 0
     t1 = gen(1)
     f1 = list(fwd)
     g1 = {k: list(v) for k, v in stats.items()}
     tn = gen(64)
     per = (tn - t1) / 63 * 1e3
     print(f"MODE {mode}: {per:.3f} ms/token wall; forward host {(fwd[1] - 2 * f1[1]) / 63 * 1e3:.3f} ms/token "
-          f"({fwd[0] - 2 * f1[0]} calls)")
+          f"({fwd[0] - 2 * f1[0]} calls); CUDA graphs captured in gen(1) + gen(64): {captures[0]}")
     for k, (c, s) in stats.items():
         c1, s1 = g1[k]
         print(f"  {k}: {c - 2 * c1} calls, host {(s - 2 * s1) / 63 * 1e3:.3f} ms/token")
