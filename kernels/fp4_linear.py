@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _fp4_format as fmt
-from ._launch import input_precision, kernel_runs, tl, triton
+from ._launch import HAVE_TRITON, INTERPRETED, input_precision, kernel_runs, tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -40,43 +40,50 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
                        stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ys, stride_ym,
                        stride_yn, E8M0: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                       SCALED_DOT: tl.constexpr):
+                       SCALED_DOT: tl.constexpr, DECODE: tl.constexpr, ASM: tl.constexpr):
+    """DECODE: 0 bytes by integer arithmetic and int-to-float conversion; 1 bytes by bit operations (fp16
+    bits); 2 int32 words by the GEMV form's bit operations (w_ptr then points to words)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)  # split-K: this program's share of K (partial sums, added up after)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = tl.arange(0, BLOCK_K // 2)  # packed bytes along K: byte j holds elements 2j (low nibble) and 2j + 1
+    rw = tl.arange(0, BLOCK_K // 8)
     rs = tl.arange(0, BLOCK_K // BLOCK)
-    half_gs = 0.5 * tl.load(gs_ptr)  # the tensor scale (1 for MXFP4) and the codes' factor 2, from memory
+    # the tensor scale (1 for MXFP4), from memory, times the decode's factor: 1/2 (twice the values) or 2^14
+    half_gs = (16384.0 if DECODE > 0 else 0.5) * tl.load(gs_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     m_ok = rm[:, None] < M
     n_ok = rn[:, None] < N
     for k0 in range(k_start, k_end, BLOCK_K):
-        kb = k0 // 2 + rb
-        b_ok = (kb < k_end // 2)[None, :]
-        packed = tl.load(w_ptr + rn[:, None] * stride_wn + kb[None, :] * stride_wk, mask=n_ok & b_ok, other=0)
-        if SCALED_DOT:  # MXFP4 as triton's microscaled dot takes it (its own fp4 -> bf16 conversion on Hopper)
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
-                        mask=m_ok & (rk < k_end)[None, :], other=0.0)
-            sk = k0 // BLOCK + rs
-            raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk,
-                          mask=n_ok & (sk < k_end // BLOCK)[None, :], other=127)
-            acc = tl.dot_scaled(x, None, "bf16", tl.trans(packed), raw, "e2m1", acc)
-        else:  # the second form (measured faster than reading each byte's scale and two products, 25f4925)
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
-                        mask=m_ok & (rk < k_end)[None, :], other=0.0)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
+                    mask=m_ok & (rk < k_end)[None, :], other=0.0)
+        sk = k0 // BLOCK + rs
+        s_ok = n_ok & (sk < k_end // BLOCK)[None, :]
+        if DECODE == 2:
+            kw = k0 // 8 + rw
+            words = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :] * stride_wk,
+                            mask=n_ok & (kw < k_end // 8)[None, :], other=0)
+            values = _decode_words(words, ASM, BLOCK_N, BLOCK_K // 8)
+        else:
+            kb = k0 // 2 + rb
+            packed = tl.load(w_ptr + rn[:, None] * stride_wn + kb[None, :] * stride_wk,
+                             mask=n_ok & (kb < k_end // 2)[None, :], other=0)
             codes = packed.to(tl.int32)
-            lo = _e2m1_twice(codes & 0xF)
-            hi = _e2m1_twice((codes >> 4) & 0xF)
-            values = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # [.., j, 0] = element 2j, [.., j, 1] = 2j + 1
-            sk = k0 // BLOCK + rs
-            raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk,
-                          mask=n_ok & (sk < k_end // BLOCK)[None, :], other=0)
+            if SCALED_DOT:  # MXFP4 as triton's microscaled dot takes it (its own fp4 -> bf16 conversion)
+                raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk, mask=s_ok, other=127)
+                acc = tl.dot_scaled(x, None, "bf16", tl.trans(packed), raw, "e2m1", acc)
+            elif DECODE == 1:
+                values = tl.reshape(tl.join(_code_value(codes, 0), _code_value(codes, 4)), (BLOCK_N, BLOCK_K))
+            else:
+                values = tl.reshape(tl.join(_e2m1_twice(codes & 0xF), _e2m1_twice((codes >> 4) & 0xF)),
+                                    (BLOCK_N, BLOCK_K))  # [.., j, 0] = element 2j, [.., j, 1] = 2j + 1
+        if not SCALED_DOT:
+            raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk, mask=s_ok, other=0)
             if E8M0:
                 scale = tl.exp2(raw.to(tl.float32) - 127.0) * half_gs
             else:
@@ -89,25 +96,134 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
              mask=m_ok & (rn[None, :] < N))
 
 
+# The GEMV form (small M, CUDA cores, no tensor cores): packed weights read as int32 words of 8 codes (element 8j
+# + t in bits 4t..4t+3), each decoded to 8 float32 values by bit operations on two codes at once (fp16x2), no
+# integer-to-float conversion (a quarter-rate instruction: the dot form's decode spends most of its time there).
+# A code's fp16 bits: sign at bit 15, its 3 magnitude bits at 9-11; as fp16 that is its E2M1 value times 2^-14,
+# subnormal codes (0.5) included, and fp16 -> fp32 is exact. The 2^14 goes onto the sums at the end.
+# Pair (e3, e7) is nibbles 3 and 7, at the top of each 16-bit half; a shift left by 4 brings (e2, e6), and so on.
+_PAIR = """and.b32 %ws, %wv, 0x80008000;
+shr.b32 %wa, %wv, 3;
+and.b32 %wa, %wa, 0x0E000E00;
+or.b32 %wh, %wa, %ws;
+mov.b32 {{%wl, %wu}}, %wh;
+cvt.f32.f16 ${lo}, %wl;
+cvt.f32.f16 ${hi}, %wu;
+"""
+_DECODE_WORD_ASM = ("{\n.reg .b32 %wv, %wa, %ws, %wh;\n.reg .b16 %wl, %wu;\nmov.b32 %wv, $8;\n"
+                    + "shl.b32 %wv, %wv, 4;\n".join(_PAIR.format(lo=t, hi=t + 4) for t in (3, 2, 1, 0)) + "}")
+_DECODE_WORD_ASM_C = tl.constexpr(_DECODE_WORD_ASM) if HAVE_TRITON else _DECODE_WORD_ASM
+
+
+@triton.jit
+def _code_value(word, SHIFT: tl.constexpr):
+    """The code at bits SHIFT..SHIFT+3 of each word as float32, times 2^-14 (the asm's arithmetic, one code at
+    a time: the form the interpreter runs)."""
+    c = (word >> SHIFT) & 0xF
+    bits = (((c & 7) << 9) | ((c & 8) << 12)).to(tl.int16)
+    return bits.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode_word(word, ASM: tl.constexpr):
+    if ASM:
+        return tl.inline_asm_elementwise(_DECODE_WORD_ASM_C, "=r,=r,=r,=r,=r,=r,=r,=r,r", [word],
+                                         dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        return (_code_value(word, 0), _code_value(word, 4), _code_value(word, 8), _code_value(word, 12),
+                _code_value(word, 16), _code_value(word, 20), _code_value(word, 24), _code_value(word, 28))
+
+
+@triton.jit
+def _decode_words(words, ASM: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.constexpr):
+    """Words [ROWS, WORDS] -> their 8 codes each as float32 times 2^-14, [ROWS, 8 * WORDS] in K order (the 8
+    values of a word joined as a minor dim in registers: element 8j + t at t)."""
+    v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word(words, ASM)
+    joined = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    return tl.reshape(joined, (ROWS, 8 * WORDS))  # [.., c, b, a] holds t = 4c + 2b + a
+
+
+@triton.jit
+def _x_part(x_row, kw, k_ok, stride_xk, T: tl.constexpr):
+    """x[m, 8j + T] for the words j of this step, float32, as a row to broadcast over the weight's rows."""
+    return tl.load(x_row + (8 * kw + T) * stride_xk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+
+
+@triton.jit
+def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
+                     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ys, stride_ym,
+                     stride_yn, E8M0: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """One row of x per program (grid axis 0: M; written for M=1, correct for any). Per step: the words
+    [BLOCK_N, BLOCK_K / 8], their 8 values each times x[8j + t] (x read per t), summed per scale block within a
+    thread and scaled into an accumulator of one sum per row and block, held across steps and added up across
+    threads once at the end (a reduction across threads per step took half the time, H200 s15)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    BLOCK_W: tl.constexpr = BLOCK_K // 8  # int32 words per row per step
+    NB: tl.constexpr = BLOCK_K // BLOCK  # scale blocks per row per step
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, BLOCK_W)
+    rs = tl.arange(0, NB)
+    acc = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    k_start = pid_k * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
+    n_ok = (rn < N)[:, None]
+    x_row = x_ptr + pid_m * stride_xm
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kw = k0 // 8 + rw
+        k_ok = kw < k_end // 8
+        words = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :] * stride_wk, mask=n_ok & k_ok[None, :],
+                        other=0)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word(words, ASM)
+        p = v0 * _x_part(x_row, kw, k_ok, stride_xk, 0)
+        p += v1 * _x_part(x_row, kw, k_ok, stride_xk, 1)
+        p += v2 * _x_part(x_row, kw, k_ok, stride_xk, 2)
+        p += v3 * _x_part(x_row, kw, k_ok, stride_xk, 3)
+        p += v4 * _x_part(x_row, kw, k_ok, stride_xk, 4)
+        p += v5 * _x_part(x_row, kw, k_ok, stride_xk, 5)
+        p += v6 * _x_part(x_row, kw, k_ok, stride_xk, 6)
+        p += v7 * _x_part(x_row, kw, k_ok, stride_xk, 7)
+        per_block = tl.sum(tl.reshape(p, (BLOCK_N, NB, BLOCK // 8)), axis=2)  # the words of a block: one thread's
+        sk = k0 // BLOCK + rs
+        raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk,
+                      mask=n_ok & (sk < k_end // BLOCK)[None, :], other=0)
+        if E8M0:
+            scale = tl.exp2(raw.to(tl.float32) - 127.0)
+        else:
+            scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        acc += per_block * scale
+    out = tl.sum(acc, axis=1) * 16384.0 * tl.load(gs_ptr)  # the decode's 2^-14, the tensor scale (1: MXFP4)
+    y_ptr += pid_k * stride_ys + pid_m * stride_ym
+    tl.store(y_ptr + rn * stride_yn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
 def reference(x: Tensor, q: fmt.Fp4Weight) -> Tensor:
     """The eager form: the weight dequantized in full, then a matmul in x's dtype."""
     return x @ fmt.dequantize(q, x.dtype).T
 
 
 SMS = 132  # an H100's SMs: split-K gives small M at least two programs per SM (a launch heuristic only)
+GEMV_MAX_M = 1  # up to this M the GEMV form (CUDA cores) by default; past it the dot form (tensor cores)
 
 
 def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False) -> dict:
-    """Tile sizes, split-K and launch settings for an M x N x K product (first heuristic; bench_fp4 --sweep
-    times the alternatives)."""
-    if m <= 16:
-        cfg = dict(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=4)
+    """Tile sizes, split-K, form and launch settings for an M x N x K product (from bench_fp4 --sweep and the
+    GEMV form's diagnosis on an H200, s15)."""
+    if m <= GEMV_MAX_M:
+        narrow = -(-n // 16) < 2 * SMS  # few rows: 8 a program, longer steps along K
+        cfg = dict(block_m=1, block_n=8 if narrow else 16, block_k=2048 if narrow else 1024, num_warps=4,
+                   num_stages=1, gemv=True)
+    elif m <= 16:
+        cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
     elif m <= 64:
         cfg = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
     else:
         cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
     cfg["block_k"] = max(cfg["block_k"] // block * block, block)
-    cfg["scaled_dot"] = scaled_dot
+    cfg.setdefault("gemv", False)
+    cfg["scaled_dot"] = scaled_dot and not cfg["gemv"]
     programs = -(-m // cfg["block_m"]) * -(-n // cfg["block_n"])
     steps = -(-k // cfg["block_k"])
     split = 1
@@ -119,8 +235,8 @@ def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False) -> 
 
 def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Tensor:
     """``x`` [..., K] times the fp4 weight [N, K] transposed: [..., N] in x's dtype. ``config`` overrides
-    ``config_for`` (keys block_m, block_n, block_k, split_k, num_warps, num_stages, and scaled_dot: MXFP4
-    with bf16 activations through ``tl.dot_scaled``)."""
+    ``config_for`` (keys block_m, block_n, block_k, split_k, num_warps, num_stages; gemv: the CUDA-core form
+    for small M; scaled_dot: MXFP4 with bf16 activations through ``tl.dot_scaled``)."""
     n, k = q.shape
     if x.shape[-1] != k:
         raise ValueError(f"fp4_linear: x has K={x.shape[-1]}, the weight {k}")
@@ -131,8 +247,7 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    scaled = q.format.scale_dtype == "e8m0" and x.dtype == torch.bfloat16 and hasattr(tl, "dot_scaled")
-    cfg = {**config_for(m, n, k, q.format.block, scaled), **(config or {})}
+    cfg = {**config_for(m, n, k, q.format.block), **(config or {})}
     bk, split = cfg["block_k"], cfg["split_k"]
     if bk % q.format.block or bk % 2 or k % q.format.block:
         raise ValueError(f"fp4_linear: block_k={bk} must be a multiple of the format's {q.format.block}")
@@ -141,15 +256,26 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     per_split = -(-k // (split * bk)) * bk
     split = -(-k // per_split)
     out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    grid = (triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]), split)
-    _fp4_linear_kernel[grid](
-        x2, q.packed, q.scales.view(torch.uint8), q.global_scale.reshape(1).float(),  # E4M3 scales as bytes
+    grid = (m if cfg.get("gemv") else triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]), split)
+    decode = cfg.get("decode", 2) if not cfg["scaled_dot"] else 0
+    asm = x.is_cuda and not INTERPRETED
+    if cfg.get("gemv") or decode == 2:  # 8 codes an int32 word, element 8j + t in bits 4t..4t+3
+        w = q.packed.contiguous().view(torch.int32)
+    else:
+        w = q.packed
+    if cfg.get("gemv"):
+        kernel, extra = _fp4_gemv_kernel, dict(ASM=asm)
+    else:
+        kernel = _fp4_linear_kernel
+        extra = dict(PRECISION=input_precision(x.dtype), SCALED_DOT=cfg["scaled_dot"], DECODE=decode, ASM=asm,
+                     BLOCK_M=cfg["block_m"])
+    kernel[grid](
+        x2, w, q.scales.view(torch.uint8), q.global_scale.reshape(1).float(),  # E4M3 scales as bytes
         out, m, n, k, per_split,
-        x2.stride(0), x2.stride(1), q.packed.stride(0), q.packed.stride(1), q.scales.stride(0), q.scales.stride(1),
+        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), q.scales.stride(0), q.scales.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        E8M0=q.format.scale_dtype == "e8m0", BLOCK=q.format.block, BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        BLOCK_K=bk, PRECISION=input_precision(x.dtype), SCALED_DOT=cfg["scaled_dot"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        E8M0=q.format.scale_dtype == "e8m0", BLOCK=q.format.block, BLOCK_N=cfg["block_n"],
+        BLOCK_K=bk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **extra)
     y = out[0] if split == 1 else out.sum(0).to(x.dtype)
     return y.reshape(*lead, n)
 

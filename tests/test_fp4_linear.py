@@ -60,8 +60,10 @@ def test_mxfp4_through_triton_scaled_dot(M, N, K, split_k):
 def test_small_m_splits_k_so_every_sm_has_work():
     from kpt_compiler.kernels.fp4_linear import SMS, config_for
 
-    cfg = config_for(1, 4096, 4096, 16)
+    cfg = config_for(8, 4096, 4096, 16)  # the dot form: 64 tiles of 64 rows, K split 8 ways
     assert cfg["split_k"] > 1 and (4096 // cfg["block_n"]) * cfg["split_k"] >= 2 * SMS
+    gemv = config_for(1, 4096, 4096, 16)  # the GEMV form: 8 rows a program are 512 programs, no split
+    assert gemv["gemv"] and gemv["split_k"] == 1 and 4096 // gemv["block_n"] >= 2 * SMS
     assert config_for(2048, 4096, 4096, 16)["split_k"] == 1
 
 
@@ -96,3 +98,34 @@ def test_the_op_form_matches_and_passes_opcheck(f):
     torch.library.opcheck(torch.ops.kpt.fp4_linear.default, (x, *op_args(q)))
     compiled = torch.compile(lambda x: torch.ops.kpt.fp4_linear(x, *op_args(q)), backend="aot_eager", fullgraph=True)
     assert torch.allclose(compiled(x), y)
+
+
+@pytest.mark.parametrize("config", [{"gemv": True, "block_n": 16, "block_k": 32},
+                                    {"gemv": False, "decode": 2, "block_n": 16, "block_k": 64},
+                                    {"gemv": False, "decode": 1, "block_n": 16, "block_k": 64}],
+                         ids=["gemv", "dot-words", "dot-bytes"])
+def test_every_code_at_every_position_of_a_word_decodes_exactly(config):
+    # y = x @ w.T with x the identity: the weight itself, every code (the signs, the subnormal 0.5) at every
+    # nibble of a 32-bit word, where the words' decode takes them apart (on the GPU the same bit operations in
+    # inline PTX: tests/gpu/test_fp4_gpu.py)
+    r, j = torch.arange(16)[:, None], torch.arange(64)[None, :]
+    codes = ((r + j) % 16).to(torch.uint8)
+    q = fmt.Fp4Weight(fmt.MXFP4, fmt.pack(codes).to(DEVICE), torch.full((16, 2), 127, dtype=torch.uint8,
+                      device=DEVICE), torch.ones((), device=DEVICE), (16, 64))
+    got = fp4_linear(torch.eye(64, device=DEVICE), q, config=config)
+    torch.testing.assert_close(got, fmt.dequantize(q).T, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("M", [1, 2, 5])
+def test_the_gemv_form_by_default_at_m_1_and_right_at_any_m_with_split_k(f, M):
+    from kpt_compiler.kernels.fp4_linear import config_for
+
+    assert config_for(1, 4096, 14336, f.block)["gemv"] and not config_for(2, 4096, 14336, f.block)["gemv"]
+    g = torch.Generator().manual_seed(M)
+    q = fmt.quantize(torch.randn(24, 256, generator=g).to(DEVICE), f)
+    x = torch.randn(M, 256, generator=g).to(DEVICE)
+    ref = x.double() @ fmt.dequantize(q).double().T
+    for cfg in ({"gemv": True}, {"gemv": True, "split_k": 3, "block_k": 64}):
+        y = fp4_linear(x, q, config=cfg)
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()

@@ -33,6 +33,29 @@ def test_mxfp4_through_the_scaled_dot_at_model_sizes(M, N, K):
     assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("M, N, K, cfg", [
+    (1, 4096, 14336, {}), (3, 1000, 512, {}), (1, 333, 1024, {"split_k": 3}),
+    (2, 64, 256, {"block_n": 8, "block_k": 256, "num_warps": 8})])
+def test_the_gemv_form_decodes_in_inline_asm_like_the_reference(f, M, N, K, cfg):
+    # the CUDA-core form's word decode is PTX on the GPU (the interpreter runs its Triton twin): every code
+    # value, the signs and the subnormal 0.5 must come out as the dequantized weight's
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    w = torch.randn(N, K, device="cuda", generator=g) * 0.02
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    q = fmt.quantize(w, f)
+    y = fp4_linear(x, q, config={"gemv": True, **cfg})
+    ref = x.float() @ fmt.dequantize(q).T
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3
+    r, j = torch.arange(16, device="cuda")[:, None], torch.arange(32, device="cuda")[None, :]
+    codes = ((r + j) % 16).to(torch.uint8)  # every code at every position of a word
+    q1 = fmt.Fp4Weight(fmt.MXFP4, fmt.pack(codes), torch.full((16, 1), 127, dtype=torch.uint8, device="cuda"),
+                       torch.ones((), device="cuda"), (16, 32))
+    eye = torch.eye(32, device="cuda", dtype=torch.bfloat16)  # y = the weight itself, transposed
+    got = fp4_linear(eye, q1, config={"gemv": True, "block_n": 16, "block_k": 32})
+    torch.testing.assert_close(got.float(), fmt.dequantize(q1).T, rtol=0, atol=0)
+
+
 def test_the_call_can_be_captured_in_a_cuda_graph():
     # no host sync inside (bench_fp4's capture failed on float(global_scale) at d4dbda1's parent)
     q = fmt.quantize(torch.randn(256, 512, device="cuda"))
