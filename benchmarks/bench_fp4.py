@@ -8,8 +8,12 @@ M it times ``y = x @ w.T`` in bf16:
   - bf16: ``F.linear`` (cuBLAS);
   - fp8: ``torch._scaled_mm`` with rowwise scales (x quantized per call, the weight once), the fp8 pass's form;
   - fp4 <format>: our kernel, the weight quantized once (kernels/_fp4_format.py); MXFP4 with bf16 goes through
-    triton's tl.dot_scaled by default, and "fp4 mxfp4 dequant" is the same weight dequantized in registers.
-Times are CUDA-graph replays (``timing_ms(..., cuda_graph=True)``: device time, no launch costs). "weight TB/s"
+    triton's tl.dot_scaled by default past GEMV_MAX_M, and "fp4 mxfp4 dequant" is the same weight dequantized
+    in registers by our kernel. Up to GEMV_MAX_M both formats run the GEMV form (kernels/fp4_linear.py).
+Times are CUDA-graph replays (``timing_ms(..., cuda_graph=True)``: device time, no launch costs), each call on
+the next of several copies of the weight, together three times the L2 cache (``copies_for``), so that every
+call reads its weight from memory as a decoding model's layers do (timed alone, a 29 MB fp4 weight stays in
+L2 and looks twice as fast; the copies per row are in the JSON). "weight TB/s"
 is the weight's stored bytes over the time (bf16: 2 bytes per weight; fp8: 1; fp4: 0.5 plus the scales), the
 figure a memory-bound GEMV is judged by; TFLOP/s counts 2 M N K. "vs bf16" is bf16's time over the row's.
 The relative error is against the dequantized weight's matmul in fp32 (the kernel's own error, not the
@@ -28,13 +32,34 @@ import torch.nn.functional as F
 
 from kpt_compiler.bench import git_commit, relative_error, timing_ms
 from kpt_compiler.kernels import _fp4_format as fmt
-from kpt_compiler.kernels.fp4_linear import fp4_linear
+from kpt_compiler.kernels.fp4_linear import GEMV_MAX_M, fp4_linear
 from kpt_compiler.lossy_guard import sqnr_db
 
 from .bench_rms_norm import require_cuda, write_out
 
 SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336)]  # N x K
 TINY = [(32, 64), (48, 128)]
+
+
+def copies_for(nbytes: int, device: str, cap: int = 32) -> int:
+    """How many copies of a weight of ``nbytes`` to cycle through so that together they take three times the
+    card's L2 cache: each call then reads its weight from memory, as a model's layers do in decoding (a 29 MB
+    fp4 weight timed alone stays in an H100's 50 MB L2; s15 measured a load-only kernel at 6 TB/s that way)."""
+    if device != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(cap, -(-3 * l2 // nbytes)))
+
+
+def rotating(fn, weights: list):
+    """``fn(weight)`` on the next of ``weights`` each call (captured in a CUDA graph, the sequence is fixed)."""
+    state = {"i": 0}
+
+    def call():
+        w = weights[state["i"] % len(weights)]
+        state["i"] += 1
+        return fn(w)
+    return call
 
 
 def _fp8_rowwise(x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
@@ -51,22 +76,28 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
         w = (torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16)
         quantized = {f: fmt.quantize(w, fmt.FORMATS[f]) for f in formats}
         snr = {f: sqnr_db(fmt.dequantize(q), w.float()) for f, q in quantized.items()}
+        # copies to cycle through, each call reading its weight from memory (copies_for)
+        ws = [w] + [w.clone() for _ in range(copies_for(2 * n * k, device) - 1)]
+        qcopies = {f: [q] + [fmt.quantize(w, fmt.FORMATS[f]) for _ in range(copies_for(q.nbytes(), device) - 1)]
+                   for f, q in quantized.items()}
         fp8 = None
         if device == "cuda":
             sw = (w.float().abs().amax(-1, keepdim=True) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
-            fp8 = ((w.float() / sw).to(torch.float8_e4m3fn), sw)
+            w8 = (w.float() / sw).to(torch.float8_e4m3fn)
+            fp8 = [(w8, sw)] + [(w8.clone(), sw) for _ in range(copies_for(n * k, device) - 1)]
         for m in ms:
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16 if device == "cuda" else torch.float32)
-            impls = {"bf16": (lambda x=x, w=w: F.linear(x, w.to(x.dtype)), 2 * n * k)}
+            impls = {"bf16": (rotating(lambda w, x=x: F.linear(x, w.to(x.dtype)), ws), 2 * n * k)}
             if fp8 is not None:
-                impls["fp8"] = (lambda x=x: _fp8_rowwise(x, *fp8), n * k + 4 * n)
+                impls["fp8"] = (rotating(lambda w8s, x=x: _fp8_rowwise(x, *w8s), fp8), n * k + 4 * n)
             for f, q in quantized.items():
-                impls[f"fp4 {f}"] = (lambda x=x, q=q: fp4_linear(x, q), q.nbytes())
-                if f == "mxfp4" and x.dtype == torch.bfloat16:  # by default through triton's scaled dot; also ours
-                    impls["fp4 mxfp4 dequant"] = (lambda x=x, q=q: fp4_linear(x, q, config={"scaled_dot": False}),
-                                                  q.nbytes())
+                impls[f"fp4 {f}"] = (rotating(lambda q, x=x: fp4_linear(x, q), qcopies[f]), q.nbytes())
+                if f == "mxfp4" and x.dtype == torch.bfloat16 and m > GEMV_MAX_M:  # the scaled dot; also ours
+                    impls["fp4 mxfp4 dequant"] = (rotating(lambda q, x=x: fp4_linear(
+                        x, q, config={"scaled_dot": False}), qcopies[f]), q.nbytes())
             row = {"N": n, "K": k, "M": m, "ms": {}, "weight_tbps": {}, "tflops": {}, "rel_err": {},
-                   "sqnr_db": {f"fp4 {f}": round(s, 2) for f, s in snr.items()}}
+                   "sqnr_db": {f"fp4 {f}": round(s, 2) for f, s in snr.items()},
+                   "copies": {"bf16": len(ws), **{f"fp4 {f}": len(c) for f, c in qcopies.items()}}}
             for name, (fn, nbytes) in impls.items():
                 t = timing_ms(fn, device, warmup_ms=rep_ms / 5, rep_ms=rep_ms, cuda_graph=device == "cuda").median
                 row["ms"][name] = t
@@ -76,53 +107,73 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
                     q = quantized[name.split()[1]]
                     row["sqnr_db"].setdefault(name, row["sqnr_db"][f"fp4 {name.split()[1]}"])
                     ref = x.float() @ fmt.dequantize(q).T
-                    row["rel_err"][name] = relative_error(fn().float(), ref)
+                    out = fp4_linear(x, q, config={"scaled_dot": False}) if name.endswith("dequant") else \
+                        fp4_linear(x, q)
+                    row["rel_err"][name] = relative_error(out.float(), ref)
             rows.append(row)
             print(f"{n}x{k} M={m}: " + "  ".join(f"{k_} {v:.4f} ms" for k_, v in row["ms"].items()), flush=True)
     return rows
 
 
-SWEEP = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, scaled_dot=sd)
-         for sd in (False, True) for bn in (32, 64, 128) for bk in (128, 256) for sk in (1, 4, 8)]
+GEMV_SWEEP = [dict(gemv=True, block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=1)
+              for bm in (1, 4) for bn in (4, 8, 16) for bk in (256, 512, 1024) for sk in (1, 2, 4) for nw in (2, 4)]
+DOT_SWEEP = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, scaled_dot=sd,
+                  decode=decode, gemv=False)
+             for sd, decode in ((False, 1), (False, 2), (True, 0))
+             for bn in (32, 64, 128) for bk in (128, 256) for sk in (1, 4, 8)]
 
 
-def sweep(shapes, ms, device: str, rep_ms: float, top: int = 3) -> list[dict]:
-    """Every config of SWEEP (small-M tiles; NVFP4 dequantized, or MXFP4 through the scaled dot) at each shape
-    and M: the fastest ``top`` of each, with the heuristic's own choice (kernels/fp4_linear.config_for) and bf16
-    beside them."""
+def family(cfg: dict) -> str:
+    """The form a config runs: gemv (CUDA cores), dot with the integer or the bit decode, or the scaled dot."""
+    if cfg.get("gemv"):
+        return "gemv"
+    return "scaled dot" if cfg.get("scaled_dot") else f"dot decode={cfg.get('decode', 2)}"
+
+
+def sweep(shapes, ms, device: str, rep_ms: float, top: int = 2) -> list[dict]:
+    """Every config of GEMV_SWEEP and DOT_SWEEP (small-M forms; NVFP4, or MXFP4 for the scaled dot) at each
+    shape and M: the fastest ``top`` of each form, with the heuristic's own choice (kernels/fp4_linear.config_for)
+    and bf16 beside them."""
     from kpt_compiler.kernels.fp4_linear import config_for
 
     out = []
     g = torch.Generator(device=device).manual_seed(0)
     for n, k in shapes:
         w = (torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16)
-        qs = {False: fmt.quantize(w, fmt.NVFP4), True: fmt.quantize(w, fmt.MXFP4)}
+        qs = {sd: [fmt.quantize(w, f) for _ in range(copies_for(fmt.quantize(w, f).nbytes(), device))]
+              for sd, f in ((False, fmt.NVFP4), (True, fmt.MXFP4))}
+        ws = [w] + [w.clone() for _ in range(copies_for(2 * n * k, device) - 1)]
         for m in ms:
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
             t = {}
-            for cfg in SWEEP + [config_for(m, n, k, 16)]:
+            mine = config_for(m, n, k, 16)
+            configs = [c for c in GEMV_SWEEP if c["block_m"] <= max(m, 1) or c["block_m"] == 4] + DOT_SWEEP
+            for cfg in configs + [mine]:
                 key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
-                q = qs[cfg["scaled_dot"]]
+                q = qs[bool(cfg.get("scaled_dot"))]
                 try:
-                    t[key] = timing_ms(lambda cfg=cfg, q=q: fp4_linear(x, q, config=cfg), device,
+                    t[key] = timing_ms(rotating(lambda q, cfg=cfg: fp4_linear(x, q, config=cfg), q), device,
                                        warmup_ms=rep_ms / 5, rep_ms=rep_ms, cuda_graph=device == "cuda").median
                 except Exception as e:  # noqa: BLE001 - a config that does not fit (shared memory): skipped
                     t[key] = float("inf")
-                    print(f"  {key}: {type(e).__name__}", flush=True)
-            bf16 = timing_ms(lambda: F.linear(x, w), device, warmup_ms=rep_ms / 5, rep_ms=rep_ms,
+                    print(f"  {key}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            bf16 = timing_ms(rotating(lambda w: F.linear(x, w), ws), device, warmup_ms=rep_ms / 5, rep_ms=rep_ms,
                              cuda_graph=device == "cuda").median
-            mine = ",".join(f"{a}={b}" for a, b in sorted(config_for(m, n, k, 16).items()))
-            best = sorted((c for c in t if "scaled_dot=False" in c), key=t.get)[:top] + \
-                sorted((c for c in t if "scaled_dot=True" in c), key=t.get)[:top]
-            out.append({"N": n, "K": k, "M": m, "bf16_ms": bf16, "heuristic": mine, "heuristic_ms": t[mine],
-                        "best": [(c, t[c]) for c in best]})
-            print(f"{n}x{k} M={m}: bf16 {bf16:.4f} ms, heuristic {t[mine]:.4f} ms, best " +
-                  "; ".join(f"{c} {t[c]:.4f}" for c in best), flush=True)
+            mine_key = ",".join(f"{a}={b}" for a, b in sorted(mine.items()))
+            forms = {}
+            for cfg in configs:
+                key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
+                forms.setdefault(family(cfg), []).append(key)
+            best = {f: [(c, t[c]) for c in sorted(keys, key=t.get)[:top]] for f, keys in forms.items()}
+            out.append({"N": n, "K": k, "M": m, "bf16_ms": bf16, "heuristic": mine_key,
+                        "heuristic_ms": t[mine_key], "best": best})
+            print(f"{n}x{k} M={m}: bf16 {bf16:.4f} ms, heuristic {t[mine_key]:.4f} ms; best: " +
+                  "; ".join(f"[{f}] {c} {v:.4f}" for f, b in best.items() for c, v in b), flush=True)
     return out
 
 
 def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> str:
-    names = list(rows[0]["ms"]) if rows else []
+    names = list(dict.fromkeys(n for r in rows for n in r["ms"]))  # a column only some rows have: "-" elsewhere
     lines = [f"# fp4 weight GEMM on {card}", "",
              f"- date: {datetime.date.today()}; commit: {commit}; torch {torch.__version__}",
              f"- command: `{command}`",
@@ -133,9 +184,13 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
              + " | ".join(f"{n} vs bf16" for n in names if n != "bf16") + " | fp4 rel. err | fp4 SQNR dB |",
              "|" + " --- |" * (2 + 2 * len(names) + len(names) - 1 + 2)]
     for r in rows:
-        lines.append(f"| {r['N']}x{r['K']} | {r['M']} | " + " | ".join(f"{r['ms'][n]:.4f}" for n in names) + " | "
-                     + " | ".join(f"{r['weight_tbps'][n]:.2f}" for n in names) + " | "
-                     + " | ".join(f"{r['ms']['bf16'] / r['ms'][n]:.2f}x" for n in names if n != "bf16") + " | "
+        def cell(n, text):
+            return text(n) if n in r["ms"] else "-"
+        lines.append(f"| {r['N']}x{r['K']} | {r['M']} | "
+                     + " | ".join(cell(n, lambda n: f"{r['ms'][n]:.4f}") for n in names) + " | "
+                     + " | ".join(cell(n, lambda n: f"{r['weight_tbps'][n]:.2f}") for n in names) + " | "
+                     + " | ".join(cell(n, lambda n: f"{r['ms']['bf16'] / r['ms'][n]:.2f}x") for n in names
+                                  if n != "bf16") + " | "
                      + ", ".join(f"{v:.1e}" for v in r["rel_err"].values()) + " | "
                      + ", ".join(f"{v:.1f}" for v in r["sqnr_db"].values()) + " |")
     return "\n".join(lines)
@@ -149,7 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=float, default=200)
     p.add_argument("--shapes", default=None, help="N x K shapes, comma-separated (default: 4096x4096,14336x4096,"
                    "4096x14336)")
-    p.add_argument("--sweep", action="store_true", help="time every small-M config of SWEEP (NVFP4) instead")
+    p.add_argument("--sweep", action="store_true", help="time every small-M config of GEMV_SWEEP and DOT_SWEEP instead")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke test of the table on tiny shapes (the eager reference, wall-clock times)")
     args = p.parse_args(argv)
