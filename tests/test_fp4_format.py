@@ -110,3 +110,16 @@ def test_the_benchmark_writes_its_table_on_the_cpu(tmp_path):
     row = record["rows"][0]
     assert set(row["ms"]) == {"bf16", "fp4 nvfp4", "fp4 mxfp4"} and row["rel_err"]["fp4 nvfp4"] < 1e-5
     assert "smoke test" in (tmp_path / "bench_fp4.md").read_text()
+
+
+@pytest.mark.parametrize("f", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
+def test_quantizing_in_chunks_of_rows_gives_the_whole_weight_s_codes(f, monkeypatch):
+    # quantize() encodes a few rows at a time (its temporaries are 8 bytes a weight); the block scales, and for
+    # NVFP4 the tensor scale, come from the whole weight, so the chunks must not change a single code
+    w = torch.randn(37, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    whole = fp4.quantize(w, f)
+    monkeypatch.setattr(fmt, "CHUNK_ELEMENTS", 3 * 256)  # 3 rows a chunk, the last one short
+    chunked = fp4.quantize(w, f)
+    assert torch.equal(chunked.packed, whole.packed)
+    assert torch.equal(chunked.scales.view(torch.uint8), whole.scales.view(torch.uint8))
+    assert torch.equal(chunked.global_scale, whole.global_scale)
