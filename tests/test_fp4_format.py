@@ -118,7 +118,7 @@ def test_quantizing_in_chunks_of_rows_gives_the_whole_weight_s_codes(f, monkeypa
     # NVFP4 the tensor scale, come from the whole weight, so the chunks must not change a single code
     w = torch.randn(37, 256, generator=torch.Generator().manual_seed(0)).bfloat16()
     whole = fp4.quantize(w, f)
-    monkeypatch.setattr(fmt, "CHUNK_ELEMENTS", 3 * 256)  # 3 rows a chunk, the last one short
+    monkeypatch.setattr(fp4, "CHUNK_ELEMENTS", 3 * 256)  # 3 rows a chunk, the last one short
     chunked = fp4.quantize(w, f)
     assert torch.equal(chunked.packed, whole.packed)
     assert torch.equal(chunked.scales.view(torch.uint8), whole.scales.view(torch.uint8))
