@@ -7,9 +7,9 @@ For each weight shape N x K (4096x4096, 14336x4096 and 4096x14336: Llama's atten
 M it times ``y = x @ w.T`` in bf16:
   - bf16: ``F.linear`` (cuBLAS);
   - fp8: ``torch._scaled_mm`` with rowwise scales (x quantized per call, the weight once), the fp8 pass's form;
-  - fp4 <format>: our kernel, the weight quantized once (kernels/_fp4_format.py); MXFP4 with bf16 goes through
-    triton's tl.dot_scaled by default past GEMV_MAX_M, and "fp4 mxfp4 dequant" is the same weight dequantized
-    in registers by our kernel. Up to GEMV_MAX_M both formats run the GEMV form (kernels/fp4_linear.py).
+  - fp4 <format>: our kernel with its default config, the weight quantized once (kernels/_fp4_format.py): the
+    GEMV form up to GEMV_MAX_M, the dot form past it (kernels/fp4_linear.py); past GEMV_MAX_M "fp4 mxfp4
+    scaled dot" is the MXFP4 weight through triton's tl.dot_scaled (``config={"scaled_dot": True}``).
 Times are CUDA-graph replays (``timing_ms(..., cuda_graph=True)``: device time, no launch costs), each call on
 the next of several copies of the weight, together three times the L2 cache (``copies_for``), so that every
 call reads its weight from memory as a decoding model's layers do (timed alone, a 29 MB fp4 weight stays in
@@ -92,12 +92,13 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
                 impls["fp8"] = (rotating(lambda w8s, x=x: _fp8_rowwise(x, *w8s), fp8), n * k + 4 * n)
             for f, q in quantized.items():
                 impls[f"fp4 {f}"] = (rotating(lambda q, x=x: fp4_linear(x, q), qcopies[f]), q.nbytes())
-                if f == "mxfp4" and x.dtype == torch.bfloat16 and m > GEMV_MAX_M:  # the scaled dot; also ours
-                    impls["fp4 mxfp4 dequant"] = (rotating(lambda q, x=x: fp4_linear(
-                        x, q, config={"scaled_dot": False}), qcopies[f]), q.nbytes())
+                if f == "mxfp4" and x.dtype == torch.bfloat16 and m > GEMV_MAX_M:  # triton's scaled dot beside ours
+                    impls["fp4 mxfp4 scaled dot"] = (rotating(lambda q, x=x: fp4_linear(
+                        x, q, config=SCALED), qcopies[f]), q.nbytes())
             row = {"N": n, "K": k, "M": m, "ms": {}, "weight_tbps": {}, "tflops": {}, "rel_err": {},
                    "sqnr_db": {f"fp4 {f}": round(s, 2) for f, s in snr.items()},
-                   "copies": {"bf16": len(ws), **{f"fp4 {f}": len(c) for f, c in qcopies.items()}}}
+                   "copies": {"bf16": len(ws), "fp8": len(fp8 or []),
+                              **{f"fp4 {f}": len(c) for f, c in qcopies.items()}}}
             for name, (fn, nbytes) in impls.items():
                 t = timing_ms(fn, device, warmup_ms=rep_ms / 5, rep_ms=rep_ms, cuda_graph=device == "cuda").median
                 row["ms"][name] = t
@@ -107,16 +108,16 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
                     q = quantized[name.split()[1]]
                     row["sqnr_db"].setdefault(name, row["sqnr_db"][f"fp4 {name.split()[1]}"])
                     ref = x.float() @ fmt.dequantize(q).T
-                    out = fp4_linear(x, q, config={"scaled_dot": False}) if name.endswith("dequant") else \
-                        fp4_linear(x, q)
+                    out = fp4_linear(x, q, config=SCALED if name.endswith("scaled dot") else None)
                     row["rel_err"][name] = relative_error(out.float(), ref)
             rows.append(row)
             print(f"{n}x{k} M={m}: " + "  ".join(f"{k_} {v:.4f} ms" for k_, v in row["ms"].items()), flush=True)
     return rows
 
 
-GEMV_SWEEP = [dict(gemv=True, block_m=bm, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=1)
-              for bm in (1, 4) for bn in (4, 8, 16) for bk in (256, 512, 1024) for sk in (1, 2, 4) for nw in (2, 4)]
+SCALED = {"scaled_dot": True}
+GEMV_SWEEP = [dict(gemv=True, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=1)
+              for bn in (4, 8, 16) for bk in (512, 1024, 2048) for sk in (1, 2) for nw in (2, 4)]
 DOT_SWEEP = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, scaled_dot=sd,
                   decode=decode, gemv=False)
              for sd, decode in ((False, 1), (False, 2), (True, 0))
@@ -147,7 +148,7 @@ def sweep(shapes, ms, device: str, rep_ms: float, top: int = 2) -> list[dict]:
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
             t = {}
             mine = config_for(m, n, k, 16)
-            configs = [c for c in GEMV_SWEEP if c["block_m"] <= max(m, 1) or c["block_m"] == 4] + DOT_SWEEP
+            configs = GEMV_SWEEP + DOT_SWEEP
             for cfg in configs + [mine]:
                 key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
                 q = qs[bool(cfg.get("scaled_dot"))]

@@ -1,17 +1,19 @@
 """``y = x @ w.T`` with ``w`` stored in fp4 (NVFP4 or MXFP4, kernels/_fp4_format.py), dequantized in registers
-(issue 18; not yet emitted by a pass).
+(issue 18; the fp4 pass emits it as ``kpt::fp4_linear``).
 
-The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor scale). Each program computes a
-BLOCK_M x BLOCK_N tile of y: per K step it loads x [BLOCK_M, BLOCK_K] and the packed bytes [BLOCK_N,
-BLOCK_K / 2], splits each byte into its two codes (the even element in the low nibble), turns codes into
-values with integer arithmetic (no table: e = bits 1-2, m = bit 0; twice the value is m where e = 0, else
-(2 + m) << (e - 1); bit 3 the sign), multiplies each block of values by half its scale, and feeds tl.dot in x's
-dtype with an fp32 accumulator. Memory read per weight: half a byte and a scale byte per block. Small M splits
-K over several programs (fp32 partial sums added after) so that every SM has work; the NVFP4 tensor scale is
-read from memory (no host sync: the call can be captured in a CUDA graph). MXFP4 weights with bf16 activations
-go through triton's ``tl.dot_scaled`` instead (its own fp4 conversion), by default: on the H100 it was the
-fastest form measured (benchmarks/results/nvidia-h100-80gb-hbm3/2026-11-27-s14-fp4-25f4925.md), and still far
-from what the weight bytes allow (1.2x bf16 cuBLAS at 4096x14336, M=1; the issue asks 3x).
+The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor scale). Two forms:
+- GEMV (M=1 by default, ``_fp4_gemv_kernel``): CUDA cores. The packed bytes are read as int32 words of 8 codes
+  and decoded by bit operations (inline PTX on the GPU: two codes per operation as fp16x2; their fp16 bits are
+  the value times 2^-14), multiplied by x and summed per scale block within a thread; the sums across threads
+  are taken once, at the end. On an H200 it is bound by instruction issue (benchmarks/diag_fp4_gemv.py).
+- dot (``_fp4_linear_kernel``): per K step x [BLOCK_M, BLOCK_K] and the weight's words [BLOCK_N, BLOCK_K / 8]
+  decoded the same way and joined into K order (DECODE=2, the default; 1: bytes by the same bit operations in
+  Triton; 0: bytes by integer arithmetic and an int-to-float conversion, the slowest), each block times its
+  scale, then tl.dot in x's dtype with an fp32 accumulator. ``scaled_dot``: MXFP4 with bf16 activations
+  through triton's ``tl.dot_scaled`` (its own conversion; slower than DECODE=2 on the H200).
+Small M splits K over several programs (fp32 partial sums added after) so that every SM has work. The NVFP4
+tensor scale is read from memory (no host sync: the call can be captured in a CUDA graph). Figures:
+benchmarks/results/nvidia-h200/2026-11-27-s15-fp4-e0af78f.md (1.5-1.65x bf16 cuBLAS at M=1; M=16 does not pay).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     rb = tl.arange(0, BLOCK_K // 2)  # packed bytes along K: byte j holds elements 2j (low nibble) and 2j + 1
     rw = tl.arange(0, BLOCK_K // 8)
     rs = tl.arange(0, BLOCK_K // BLOCK)
-    # the tensor scale (1 for MXFP4), from memory, times the decode's factor: 1/2 (twice the values) or 2^14
+    # the tensor scale (1 for MXFP4), from memory, times the decode's factor: 1/2 (twice the values) or 2^14 (on the
+    # scale, not the values: fp16 activations would make them subnormal; an E8M0 scale past 2^113 would overflow,
+    # which no weight that fits in fp32 comes near)
     half_gs = (16384.0 if DECODE > 0 else 0.5) * tl.load(gs_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
@@ -208,23 +212,25 @@ SMS = 132  # an H100's SMs: split-K gives small M at least two programs per SM (
 GEMV_MAX_M = 1  # up to this M the GEMV form (CUDA cores) by default; past it the dot form (tensor cores)
 
 
-def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False) -> dict:
+def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False, gemv: bool | None = None) -> dict:
     """Tile sizes, split-K, form and launch settings for an M x N x K product (from bench_fp4 --sweep and the
-    GEMV form's diagnosis on an H200, s15)."""
-    if m <= GEMV_MAX_M:
+    GEMV form's diagnosis on an H200, s15). ``gemv``: the form asked for (None: the GEMV up to GEMV_MAX_M)."""
+    if gemv is None:
+        gemv = m <= GEMV_MAX_M and not scaled_dot
+    if gemv:
         narrow = -(-n // 16) < 2 * SMS  # few rows: 8 a program, longer steps along K
         cfg = dict(block_m=1, block_n=8 if narrow else 16, block_k=2048 if narrow else 1024, num_warps=4,
                    num_stages=1, gemv=True)
     elif m <= 16:
-        cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)  # also M=1 asked for the dot
     elif m <= 64:
         cfg = dict(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=3)
     else:
         cfg = dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
     cfg["block_k"] = max(cfg["block_k"] // block * block, block)
     cfg.setdefault("gemv", False)
-    cfg["scaled_dot"] = scaled_dot and not cfg["gemv"]
-    programs = -(-m // cfg["block_m"]) * -(-n // cfg["block_n"])
+    cfg["scaled_dot"] = scaled_dot
+    programs = (m if cfg["gemv"] else -(-m // cfg["block_m"])) * -(-n // cfg["block_n"])
     steps = -(-k // cfg["block_k"])
     split = 1
     while programs * split < 2 * SMS and split * 2 <= max(steps // 2, 1):
@@ -236,7 +242,8 @@ def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False) -> 
 def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Tensor:
     """``x`` [..., K] times the fp4 weight [N, K] transposed: [..., N] in x's dtype. ``config`` overrides
     ``config_for`` (keys block_m, block_n, block_k, split_k, num_warps, num_stages; gemv: the CUDA-core form
-    for small M; scaled_dot: MXFP4 with bf16 activations through ``tl.dot_scaled``)."""
+    (default at M=1), or False for the dot form; decode: the dot form's decode, 0-2; scaled_dot: MXFP4 with
+    bf16 activations through ``tl.dot_scaled``)."""
     n, k = q.shape
     if x.shape[-1] != k:
         raise ValueError(f"fp4_linear: x has K={x.shape[-1]}, the weight {k}")
@@ -247,8 +254,13 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    cfg = {**config_for(m, n, k, q.format.block), **(config or {})}
+    asked = config or {}
+    cfg = {**config_for(m, n, k, q.format.block, asked.get("scaled_dot", False), asked.get("gemv")), **asked}
     bk, split = cfg["block_k"], cfg["split_k"]
+    if cfg.get("decode", 2) not in (0, 1, 2):
+        raise ValueError(f"fp4_linear: decode={cfg['decode']!r}; 0 (integers), 1 (bytes' bits) or 2 (words' bits)")
+    if cfg["scaled_dot"] and cfg["gemv"]:
+        raise ValueError("fp4_linear: scaled_dot is a form of the dot kernel; it cannot go with gemv=True")
     if bk % q.format.block or bk % 2 or k % q.format.block:
         raise ValueError(f"fp4_linear: block_k={bk} must be a multiple of the format's {q.format.block}")
     if cfg["scaled_dot"] and (q.format.scale_dtype != "e8m0" or x.dtype != torch.bfloat16):

@@ -71,6 +71,7 @@ class BucketGraphs:
         self.recaptures = 0
         # graphs that write into their inputs: per bucket, one graph per set of those inputs' addresses
         self.by_address: dict[tuple, dict[tuple, _Captured]] = {}
+        self.read_in_place: dict[tuple, set[int]] = {}  # per bucket: the arguments its first capture read in place
         self.notes: list[str] | None = None
 
     def note(self, message: str) -> None:
@@ -91,6 +92,8 @@ class BucketGraphs:
                 held[where] = held.pop(where)  # most recently used last
                 return self._replay(cap, args, padded_args)
             recapture = bool(held)
+            if recapture:
+                self._make_room(key, held)
         else:
             cap = self.graphs.get(key)
             if cap is not None:
@@ -109,7 +112,7 @@ class BucketGraphs:
         if n < 2:
             return None  # the first call compiles the kernels for these sizes
         if recapture:  # read in place what the first capture read in place (the written inputs at their new place)
-            stable = set(next(iter(held.values())).in_place) | set(self.mutated)
+            stable = self.read_in_place[key] | set(self.mutated)
         else:
             stable = {i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and i not in padded_args
                       and (isinstance(a, torch.nn.Parameter) or getattr(a, "_dynamo_static_input_type", None)
@@ -118,15 +121,13 @@ class BucketGraphs:
         if cap is None:
             return None
         self.pool_mb += cap.pool_mb
+        self.read_in_place.setdefault(key, set(cap.in_place))
         if self.mutated:
             held = self.by_address[key]
             held[where] = cap
             self.graphs[key] = cap
             if recapture:
                 self.recaptures += 1
-                if len(held) > self.MAX_ADDRESS_SETS:  # the least recently used goes (its pool memory is reused)
-                    old = held.pop(next(iter(held)))
-                    self.pool_mb -= old.pool_mb
                 return self._replay(cap, args, padded_args)  # no note each time
         else:
             self.graphs[key] = cap
@@ -140,6 +141,19 @@ class BucketGraphs:
             self.note(f"bucket {_label(sizes)}: capture released: {self.declined[key]}")
             return None
         return self._replay(cap, args, padded_args)
+
+    def _make_room(self, key: tuple, held: dict) -> None:
+        """Before capturing for a new set of written inputs' addresses: the least recently used graphs of this
+        bucket go while MAX_ADDRESS_SETS are held, or while one more of them would pass max_pool_mb (otherwise
+        the cap would decline every later cache for good while holding graphs of caches that are gone)."""
+        size = next(reversed(held.values())).pool_mb
+        cap_mb = self.settings.max_pool_mb
+        while held and (len(held) >= self.MAX_ADDRESS_SETS or cap_mb is not None and self.pool_mb + size > cap_mb):
+            self.pool_mb -= held.pop(next(iter(held))).pool_mb  # an upper bound: graphs share the pool's blocks
+        if held:
+            self.graphs[key] = next(reversed(held.values()))
+        else:
+            self.graphs.pop(key, None)
 
     def _why_not(self, key: tuple, sizes: dict, estimate: bool = True) -> str | None:
         if self.mutated_inputs:
@@ -170,7 +184,6 @@ class BucketGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
-        before = torch.cuda.memory_reserved()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         # warm-up on a side stream, as torch.cuda.graphs asks; inputs the graph writes into get copies there, or
@@ -181,6 +194,7 @@ class BucketGraphs:
                 compiled(*warm)
             del warm
         torch.cuda.current_stream().wait_stream(side)
+        before = torch.cuda.memory_reserved()  # after the warm-up: its copies of the written inputs are not the graph's
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = compiled(*static_args)

@@ -200,3 +200,46 @@ def test_inputs_written_in_place_are_found_through_views():
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo's order: by first use
     assert {names[i] for i in cg._mutated_inputs(gm)} == {"l_cache_", "l_other_"}, names
     assert not cg._mutated_inputs(_graph(lambda a, b: a + b, torch.ones(2), torch.ones(2)))
+
+
+class _FakeGraph:
+    def replay(self):
+        pass
+
+
+def _fake_captures(monkeypatch, mb: float):
+    """BucketGraphs._capture without CUDA: records each capture's warm-up flag, holds ``mb`` MiB each."""
+    from kpt_compiler.passes import _bucket_graphs as bg
+
+    made = []
+
+    def capture(self, compiled, args, padded_args, padded_shapes, stable, warm_up=True):
+        made.append(warm_up)
+        in_place = {i: a.data_ptr() for i, a in enumerate(args) if i in stable}
+        return bg._Captured(_FakeGraph(), {}, in_place, (torch.zeros(1),), mb,
+                            tuple(i for i in in_place if i not in self.mutated))
+
+    monkeypatch.setattr(bg.BucketGraphs, "_capture", capture)
+    return bg, made
+
+
+@pytest.mark.parametrize("max_pool_mb", [None, 100.0])
+def test_a_written_input_at_new_addresses_gets_its_own_graph_and_old_ones_make_room(monkeypatch, max_pool_mb):
+    # a static cache per generate() call: the graph is keyed by the written inputs' addresses; a new cache is
+    # captured without a warm-up run; a cache met again replays its graph; at most MAX_ADDRESS_SETS are held,
+    # and under max_pool_mb the least recently used go first instead of every later cache running uncaptured
+    bg, made = _fake_captures(monkeypatch, 60.0)
+    graphs = bg.BucketGraphs(bg.CaptureSettings("always", 1.0, max_pool_mb, lambda s: None), True, frozenset({0}))
+    graphs.notes = []
+    weight = torch.nn.Parameter(torch.zeros(4))
+    caches = [torch.zeros(4) for _ in range(6)]
+    ran = []
+    for c in caches + [caches[5], caches[4]]:
+        ran += [graphs.run((), None, (c, weight), [], {}, {}) is not None for _ in range(3)]
+    assert ran[:2] == [False, True] and all(ran[2:]), ran  # the first call compiles, every later one replays
+    held = len(graphs.by_address[()])
+    assert held == (1 if max_pool_mb else bg.BucketGraphs.MAX_ADDRESS_SETS)
+    assert made[0] is True and not any(made[1:])  # only the first capture warms up
+    # caches 5 and 4 met again: held among the last four, no capture; under the cap only cache 5 is held
+    assert len(made) == (7 if max_pool_mb else 6)
+    assert not graphs.declined and graphs.pool_mb <= (max_pool_mb or 1e9)

@@ -84,6 +84,24 @@ def test_bad_input_names_what_is_wrong():
         fp4_linear(torch.randn(2, 32, dtype=torch.float64).to(DEVICE), q)
     with pytest.raises(ValueError, match="multiple of the format's 16"):
         fp4_linear(torch.randn(2, 32).to(DEVICE), q, config={"block_k": 24})
+    with pytest.raises(ValueError, match="decode=3"):  # an unknown decode would scale the result by 2^15
+        fp4_linear(torch.randn(2, 32).to(DEVICE), q, config={"decode": 3})
+    with pytest.raises(ValueError, match="cannot go with gemv=True"):
+        fp4_linear(torch.randn(1, 32).to(DEVICE), q, config={"gemv": True, "scaled_dot": True})
+
+
+def test_the_form_asked_for_gets_its_own_tiles():
+    from kpt_compiler.kernels.fp4_linear import config_for
+
+    assert config_for(1, 4096, 4096, 16)["gemv"]
+    dot = config_for(1, 4096, 4096, 16, gemv=False)  # the dot form at M=1: its tiles, not the GEMV's
+    assert not dot["gemv"] and dot["block_m"] == 16 and dot["num_stages"] > 1
+    assert not config_for(1, 4096, 4096, 32, scaled_dot=True)["gemv"]
+    g = torch.Generator().manual_seed(4)
+    q = fmt.quantize(torch.randn(40, 96, generator=g).to(DEVICE))
+    x = torch.randn(1, 96, generator=g).to(DEVICE)
+    ref = x.double() @ fmt.dequantize(q).double().T
+    assert (fp4_linear(x, q, config={"gemv": False}).double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 @pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
