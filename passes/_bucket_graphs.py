@@ -69,6 +69,7 @@ class BucketGraphs:
         self.last_ptrs: dict[tuple, list[int]] = {}
         self.pool_mb = 0.0
         self.recaptures = 0
+        self.fallbacks = 0  # replays refused because a static input moved (the call ran uncaptured)
         # graphs that write into their inputs: per bucket, one graph per set of those inputs' addresses
         self.by_address: dict[tuple, dict[tuple, _Captured]] = {}
         self.read_in_place: dict[tuple, set[int]] = {}  # per bucket: the arguments its first capture read in place
@@ -128,7 +129,10 @@ class BucketGraphs:
             self.graphs[key] = cap
             if recapture:
                 self.recaptures += 1
-                return self._replay(cap, args, padded_args)  # no note each time
+                if self.recaptures == 1:
+                    self.note("the written inputs moved (a new cache): captured again for their addresses, without a "
+                              "warm-up (each later time too; not noted again)")
+                return self._replay(cap, args, padded_args)
         else:
             self.graphs[key] = cap
         self.note(f"bucket {_label(sizes)}: captured ({cap.pool_mb:.1f} MiB more in the graphs' pool, "
@@ -184,6 +188,9 @@ class BucketGraphs:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         torch.cuda.synchronize()
+        # an upper bound of what the capture holds: measured across the warm-up too (measured after it, a capture
+        # showed no growth at all on the H200, s15: its blocks came from memory the allocator held already)
+        before = torch.cuda.memory_reserved()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         # warm-up on a side stream, as torch.cuda.graphs asks; inputs the graph writes into get copies there, or
@@ -194,7 +201,6 @@ class BucketGraphs:
                 compiled(*warm)
             del warm
         torch.cuda.current_stream().wait_stream(side)
-        before = torch.cuda.memory_reserved()  # after the warm-up: its copies of the written inputs are not the graph's
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = compiled(*static_args)
@@ -208,7 +214,12 @@ class BucketGraphs:
     def _replay(self, cap: _Captured, args, padded_args) -> Any | None:
         # per decoded token: ~100 parameters checked, a few inputs copied; one list compare and one foreach copy
         if [args[i].data_ptr() for i in cap.checked] != cap.checked_at:
-            return None  # a static input moved: run uncaptured
+            self.fallbacks += 1  # a static input moved: run uncaptured (said once in the report)
+            if self.fallbacks == 1:
+                moved = [i for i, p in zip(cap.checked, cap.checked_at) if args[i].data_ptr() != p]
+                self.note(f"argument(s) {moved} moved from the address captured: such calls run without the graph "
+                          "(noted once; BucketGraphs.fallbacks counts them)")
+            return None
         if cap.copied:
             torch._foreach_copy_([cap.buffers[i] for i in cap.copied], [args[i] for i in cap.copied])
         for i in padded_args:

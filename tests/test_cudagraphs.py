@@ -243,3 +243,15 @@ def test_a_written_input_at_new_addresses_gets_its_own_graph_and_old_ones_make_r
     # caches 5 and 4 met again: held among the last four, no capture; under the cap only cache 5 is held
     assert len(made) == (7 if max_pool_mb else 6)
     assert not graphs.declined and graphs.pool_mb <= (max_pool_mb or 1e9)
+
+
+def test_a_static_input_at_a_new_address_runs_uncaptured_and_the_report_says_so(monkeypatch):
+    bg, made = _fake_captures(monkeypatch, 1.0)
+    graphs = bg.BucketGraphs(bg.CaptureSettings("always", 1.0, None, lambda s: None), True, frozenset({0}))
+    graphs.notes = []
+    cache, weight = torch.zeros(4), torch.nn.Parameter(torch.zeros(4))
+    assert [graphs.run((), None, (cache, weight), [], {}, {}) is not None for _ in range(3)] == [False, True, True]
+    other = torch.nn.Parameter(torch.zeros(4))  # the parameter replaced: the graph reads the old one's address
+    assert graphs.run((), None, (cache, other), [], {}, {}) is None and graphs.fallbacks == 1
+    assert any("moved from the address captured" in n and "[1]" in n for n in graphs.notes), graphs.notes
+    assert not any("captured again" in n for n in graphs.notes)  # the cache did not move
