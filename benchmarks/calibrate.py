@@ -24,6 +24,10 @@ measured with (``kpt_compiler.cost_model.source_hash``). bf16 throughout. Tables
   fp8_linear_<recipe>_train  linear, both under torch.compile, forward / forward + backward (bench_fp8), at
                            FP8_SHAPES; recipes tensorwise, rowwise (not in the default --tables: ask for them)
   fp8_linear_<g>_static    inference with the weight quantized beforehand (passes/_fp8_static.py), forward
+  fp4_linear_<format>      the fp4 kernel (kernels/fp4_linear.py, default config) against the bf16 linear
+                           (cuBLAS), CUDA-graph replays over weight copies that together take 3x the L2
+                           (bench_fp4.copies_for), at FP4_SHAPES; formats nvfp4, mxfp4 (not in the default
+                           --tables: ask for them)
 
 ``--tables`` runs some of them (each call adds its run to the file).
 """
@@ -47,6 +51,8 @@ from kpt_compiler.bench import git_commit
 TABLES = ("gated_linear", "linear_epilogue", "linear_epilogue_vs_gemm", "horizontal", "host", "ceilings")
 FP8_TABLES = tuple(f"fp8_linear_{r}{t}" for r in ("tensorwise", "rowwise") for t in ("", "_train", "_static"))
 FP8_SHAPES = [(M, K, N) for M in (128, 2048, 8192) for K, N in ((4096, 4096), (4096, 14336), (14336, 4096))]
+FP4_TABLES = ("fp4_linear_nvfp4", "fp4_linear_mxfp4")
+FP4_SHAPES = [(M, K, N) for M in (1, 2, 4, 16, 64, 256) for K, N in ((4096, 4096), (4096, 14336), (14336, 4096))]
 # (M, K, widths) of the q/k/v cases: grouped-query as the zoo Llama (K=1024, k and v a quarter), multi-head
 HORIZONTAL = [(1, 1024, "gqa"), (128, 1024, "gqa"), (1024, 1024, "gqa"), (8192, 1024, "gqa"), (1024, 1024, "mha"),
               (8192, 1024, "mha"), (16384, 768, "mha")]
@@ -199,6 +205,29 @@ def measure_fp8(table: str) -> dict:
     return {"source": cm.source_hash(_fp8_static if static else _fp8_recipes), "points": points}
 
 
+def measure_fp4(table: str) -> dict:
+    """The fp4 kernel against the bf16 linear at FP4_SHAPES, device time, each call on the next of several
+    weight copies (a layer's weight is read from memory in decoding, not from L2)."""
+    from benchmarks.bench_fp4 import copies_for, rotating
+    from kpt_compiler.bench import median_ms
+    from kpt_compiler.kernels import _fp4_format as fmt
+    from kpt_compiler.kernels import fp4_linear as kernel
+
+    f = fmt.FORMATS[table.removeprefix("fp4_linear_")]
+    points = []
+    for M, K, N in FP4_SHAPES:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        ws = [w] + [w.clone() for _ in range(copies_for(2 * N * K, "cuda") - 1)]
+        qs = [fmt.quantize(w, f)]
+        qs += [fmt.quantize(w, f) for _ in range(copies_for(qs[0].nbytes(), "cuda") - 1)]
+        theirs = median_ms(rotating(lambda w: F.linear(x, w), ws), "cuda", cuda_graph=True)
+        ours = median_ms(rotating(lambda q: kernel.fp4_linear(x, q), qs), "cuda", cuda_graph=True)
+        points.append({"M": M, "K": K, "N": N, "speedup": round(theirs / ours, 4), "ours_us": round(ours * 1e3, 2),
+                       "theirs_us": round(theirs * 1e3, 2)})
+    return {"source": cm.source_hash(kernel), "points": points}
+
+
 def measure_ceilings() -> dict:
     from kpt_compiler.bench import copy_bandwidth, median_ms
 
@@ -221,9 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(cm.CALIBRATION_DIR), help="the folder of calibration files")
     args = p.parse_args(argv)
     tables = [t.strip() for t in args.tables.split(",") if t.strip()]
-    unknown = sorted(set(tables) - set(TABLES) - set(FP8_TABLES))
+    unknown = sorted(set(tables) - set(TABLES) - set(FP8_TABLES) - set(FP4_TABLES))
     if unknown:
-        p.error(f"unknown table(s) {unknown}; known: {', '.join(TABLES + FP8_TABLES)}")
+        p.error(f"unknown table(s) {unknown}; known: {', '.join(TABLES + FP8_TABLES + FP4_TABLES)}")
     if not torch.cuda.is_available():
         print("error: benchmarks.calibrate measures this card's CUDA kernels and torch.cuda.is_available() is "
               "False; run it on the GPU machine", file=sys.stderr)
@@ -235,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     measures = {"horizontal": measure_horizontal, "host": measure_host, "ceilings": measure_ceilings}
     for table in tables:  # written after each table, so a run cut short keeps what it measured
         measured = measures[table]() if table in measures else measure_fp8(table) if table in FP8_TABLES \
-            else measure_gemm_table(table)
+            else measure_fp4(table) if table in FP4_TABLES else measure_gemm_table(table)
         old = json.loads(path.read_text()) if path.exists() else None
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(merge(old, device, run, {table: measured}), indent=1) + "\n")

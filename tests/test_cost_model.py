@@ -225,3 +225,25 @@ def test_measure_times_both_and_keeps_the_faster(tmp_path, monkeypatch, ours_ms,
     assert f"ours {ours_ms:.4f} ms, Inductor at best {theirs_ms:.4f} ms" in d.why
     again = cm.CostModel(H100).decide("auto", gemm(M=4096))
     assert again.rewrite == d.rewrite and "measured earlier" in again.why
+
+
+def test_an_fp4_table_from_calibrate_decides_the_fp4_pass_per_shape(tmp_path, monkeypatch):
+    # benchmarks.calibrate --tables fp4_linear_nvfp4 writes the table the fp4 pass asks for (passes/fp4._decide):
+    # the GEMV pays at one row, the dot form does not at 256 (the H200's figures, s15)
+    from benchmarks import calibrate
+    from kpt_compiler.kernels import fp4_linear
+
+    assert set(calibrate.FP4_TABLES) == {f"fp4_linear_{f}" for f in ("nvfp4", "mxfp4")}
+    monkeypatch.setenv("KPT_CALIBRATION_DIR", str(tmp_path))
+    monkeypatch.setenv("KPT_CACHE_DIR", str(tmp_path / "cache"))
+    _write(tmp_path, tables={"fp4_linear_nvfp4": (fp4_linear, _points((1, 4096, 14336, 1.58), (256, 4096, 14336, 0.8)))})
+    model = cm.CostModel(H100, "reduce-overhead")
+
+    def fp4(M):
+        return cm.Candidate("fp4_linear_nvfp4", M, {"K": 4096, "N": 14336}, torch.bfloat16, fp4_linear,
+                            mkn=(M, 4096, 14336))
+
+    assert model.decide("auto", fp4(1)).rewrite and not model.decide("auto", fp4(256)).rewrite
+    d = model.decide("auto", cm.Candidate("fp4_linear_mxfp4", 1, {"K": 4096, "N": 14336}, torch.bfloat16,
+                                          fp4_linear, mkn=(1, 4096, 14336)))
+    assert not d.rewrite and "no calibrated win" in d.why, d.why  # the other format has its own table
