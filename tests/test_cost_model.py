@@ -236,7 +236,8 @@ def test_an_fp4_table_from_calibrate_decides_the_fp4_pass_per_shape(tmp_path, mo
     assert set(calibrate.FP4_TABLES) == {f"fp4_linear_{f}" for f in ("nvfp4", "mxfp4")}
     monkeypatch.setenv("KPT_CALIBRATION_DIR", str(tmp_path))
     monkeypatch.setenv("KPT_CACHE_DIR", str(tmp_path / "cache"))
-    _write(tmp_path, tables={"fp4_linear_nvfp4": (fp4_linear, _points((1, 4096, 14336, 1.58), (256, 4096, 14336, 0.8)))})
+    points = _points((1, 4096, 14336, 1.58), (256, 4096, 14336, 0.8))
+    _write(tmp_path, tables={"fp4_linear_nvfp4": (fp4_linear, points)})
     model = cm.CostModel(H100, "reduce-overhead")
 
     def fp4(M):
