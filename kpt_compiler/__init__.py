@@ -60,12 +60,13 @@ __version__ = "0.1.0"
 
 
 def release_weights(model):
-    """Free the bf16 (fp16, fp32) copies of the weights the fp8 pass quantized once: each such frozen parameter
-    becomes its fp8 copy. Returns what it released and what it left (passes/_fp8_release.py says what still
-    works afterwards)."""
-    from .passes._fp8_release import release_weights as release
+    """Free the bf16 (fp16, fp32) copies of the weights the fp8 and fp4 passes quantized: each such frozen
+    parameter becomes its fp8 or fp4 copy. Returns what it released and what it left (passes/_fp8_release.py and
+    passes/_fp4_release.py say what still works afterwards)."""
+    from .passes._fp4_release import release_weights as release_fp4
+    from .passes._fp8_release import release_weights as release_fp8
 
-    return release(model)
+    return release_fp8(model) + release_fp4(model)
 
 
 def refresh_weights(model) -> int:

@@ -14,7 +14,8 @@ MXFP4, blocks of 32 with power-of-two scales), and the graph reads the packed we
 bf16's bytes, plus the scales. Weight-only: the activation stays in its dtype and the kernel dequantizes the
 weight in registers, so it pays where reading the weight is the cost (small batches, decoding). Before each
 call the copy is checked against the parameter it was made from and made again if that changed (as the fp8
-pass's static weights, passes/_fp8_static.py). The module keeps its own weight (releasing it is not built).
+pass's static weights, passes/_fp8_static.py). The module keeps its own weight until
+``kpt_compiler.release_weights(model)`` replaces it by its fp4 copy (passes/_fp4_release.py).
 
 Eligible: inference graphs (no gradient flows), a linear whose weight is a parameter of the module with both
 dimensions at least ``min_features`` and K a multiple of the format's block, a bfloat16 or float16 layer (fp4
@@ -46,6 +47,7 @@ from kpt_compiler.registry import PassContext, graph_pass
 from . import _fp8_static
 from . import _symbolic_masks as symbolic_masks
 from ._fusion_common import needs_grad
+from ._fp4_release import Fp4WeightTensor
 from ._linear_layers import module_path, not_plain, operands
 
 DEFAULT_BOUND_DB = 15.0  # NVFP4 keeps about 20 dB of a Gaussian weight, MXFP4 about 19 (tests/test_fp4_format.py)
@@ -154,7 +156,8 @@ def refresh_weights(module: torch.nn.Module) -> int:
 
 @graph_pass("fp4", summary="inference linear weights -> 4-bit floats with block scales (NVFP4 or MXFP4), "
             "dequantized in the GEMM kernel", stage="pre_aot", options=Fp4Options, default=False, lossy=True,
-            error_bound_db=DEFAULT_BOUND_DB, statistics=("matches", "near_misses"), supports=_supports)
+            error_bound_db=DEFAULT_BOUND_DB, statistics=("matches", "near_misses", "released_weights"),
+            supports=_supports)
 def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
     from kpt_compiler.kernels import _fp4_format
     from kpt_compiler.kernels import fp4_linear as kernel
@@ -191,11 +194,13 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         M = xv.numel() // K
         if isinstance(M, torch.SymInt):  # a dynamic batch: decided (and timed) at the size traced
             M = M.node.hint if M.node.hint is not None else 1
-        if not _decide(ctx, label, M, K, N, xv.dtype, xv.device, fmt) or not ctx.propose(node.name):
+        released = isinstance(param, Fp4WeightTensor)  # kpt_compiler.release_weights: fp4 is all there is
+        if not released and not _decide(ctx, label, M, K, N, xv.dtype, xv.device, fmt) or not ctx.propose(node.name):
             continue
-        copy = copy_for(param, fmt, transposed)
+        copy = None if released else copy_for(param, fmt, transposed)
+        q = param.q if released else copy.q
         fake_mode = xv.fake_mode
-        parts = kernel.op_args(copy.q)
+        parts = kernel.op_args(q)
         with gm.graph.inserting_before(node):
             consts = [ir.add_constant(gm, f"_kpt_fp4_{kind}_{node.name}", t, fake_mode)
                       for kind, t in zip(("packed", "scales", "scale"), parts[:3])]
@@ -204,20 +209,27 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
                 new = ir.emit(gm.graph, torch.add, (op, b), like=node)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
-        exact = param.detach().t() if transposed else param.detach()
+        exact = param.dequantize() if released else param.detach()
+        exact = exact.t() if transposed else exact
         ctx.check_locally(node.name, op, lambda x, *_, w=exact: F.linear(x, w))  # the guard's figure, bias aside
+        ctx.count()
+        if released:
+            ctx.count("released_weights")
+            ctx.note(f"{label}: {M}x{K} @ {K}x{N}, weight released to {q.format.name} (its SQNR is against the "
+                     f"dequantized weight: the kernel's own error; {q.nbytes() / 2**20:.2f} MiB)")
+            continue
         copies.append((index, copy))
         saved += copy.nbytes
         kept += param.nbytes
-        ctx.count()
         ctx.note(f"{label}: {M}x{K} @ {K}x{N} with {fmt.name} weights ({copy.nbytes / 2**20:.2f} MiB against "
                  f"{param.nbytes / 2**20:.2f} MiB)")
     if not copies:
-        return False
+        return ctx.stats.get("released_weights", 0) > 0
     ctx.count("static_weights", len(copies))
     ctx.before_each_call(lambda args: _fp8_static.refresh(copies, args))
     ctx.note(f"{len(copies)} weights in {fmt.name}: {saved / 2**20:.1f} MiB read per call instead of "
-             f"{kept / 2**20:.1f} MiB ({kept / max(saved, 1):.1f}x less); the module keeps its own copies")
+             f"{kept / 2**20:.1f} MiB ({kept / max(saved, 1):.1f}x less); the module keeps its own copies "
+             "(kpt_compiler.release_weights frees them)")
     return True
 
 
@@ -251,7 +263,7 @@ def _parameter(w: fx.Node, ctx: PassContext) -> tuple[torch.Tensor | None, int |
         real = ctx.example_inputs[index]
     except (RuntimeError, IndexError):  # no example inputs (a later stage), or not Dynamo's calling convention
         return None, None
-    return (real, index) if isinstance(real, torch.nn.Parameter) else (None, None)
+    return (real, index) if isinstance(real, (torch.nn.Parameter, Fp4WeightTensor)) else (None, None)
 
 
 def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device, fmt) -> bool:

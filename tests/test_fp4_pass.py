@@ -190,3 +190,38 @@ def test_a_frozen_layer_in_a_training_graph_and_an_inference_tensor_weight_stay(
         _compile(built)(x)
     rec = kpt_compiler.last_report().pass_record("fp4")
     assert rec.matches == 0 and any("inference tensor" in n for n in rec.notes), rec.notes
+
+
+def test_released_weights_free_their_copies_and_the_recompile_reads_the_fp4_codes():
+    import gc
+    import weakref
+
+    from kpt_compiler.passes._fp4_release import Fp4WeightTensor
+
+    model = _model()
+    x = torch.randn(3, 256, dtype=torch.float16)
+    compiled = _compile(model)
+    with torch.no_grad():
+        before = compiled(x)
+    model.down.weight.requires_grad_(True)  # a trainable weight stays
+    model.up.requires_grad_(False)
+    old = weakref.ref(model.up.weight)
+    done = kpt_compiler.release_weights(model)
+    assert done.count == 1 and done.to == "fp4" and "requires grad" in done.skipped["down.weight"], done
+    assert done.freed_bytes == 512 * 256 * 2 and done.kept_bytes == 512 * 128 + 512 * 16 + 4  # codes, E4M3, fp32
+    gc.collect()
+    assert old() is None  # nothing else held the float16 parameter: its storage is gone
+    w = model.up.weight
+    assert isinstance(w, Fp4WeightTensor) and w.shape == (512, 256) and w.dtype == torch.float16
+    model.down.weight.requires_grad_(False)
+    with torch.no_grad():
+        eager = model.up(x)  # eager: every op sees the dequantized weight
+        assert torch.equal(eager, torch.nn.functional.linear(x, w.dequantize(), model.up.bias))
+        after = _compile(model)(x)  # a new parameter: compiled again, the released codes read directly
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.stats.get("released_weights") == 1 and rec.matches == 2, rec.notes
+    assert any("released to nvfp4" in n and "kernel's own error" in n for n in rec.notes), rec.notes
+    assert torch.allclose(after, before, atol=1e-3, rtol=1e-2)  # the same codes, the same kernel
+    with pytest.raises(RuntimeError, match="released to fp4 by kpt_compiler.release_weights"):
+        with torch.no_grad():
+            model.up.weight.copy_(torch.zeros(512, 256, dtype=torch.float16))

@@ -88,3 +88,34 @@ def test_the_fp4_pass_under_inductor_and_a_cuda_graph():
     assert all(v > 15 for v in rec.layer_db.values()), rec.layer_db
     for out in outs:
         assert sqnr_db(out.float(), ref) > 15
+
+
+def test_released_fp4_weights_free_gpu_memory_and_give_the_same_output():
+    # release_weights on a frozen bf16 model compiled with fp4 through Inductor: the bf16 weights' memory is
+    # returned, the recompiled graph reads the same codes and gives the same output
+    import gc
+
+    import torch.nn as nn
+
+    import kpt_compiler
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.SiLU(), nn.Linear(4096, 1024)).cuda().bfloat16().eval()
+    model.requires_grad_(False)
+    x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    compiled = torch.compile(model, backend="kernelpytorch", options={"fp4": {"decide": "always"}})
+    with torch.no_grad():
+        before = compiled(x).clone()
+        compiled(x)
+        gc.collect()
+        allocated = torch.cuda.memory_allocated()
+        done = kpt_compiler.release_weights(model)
+        gc.collect()
+        freed = allocated - torch.cuda.memory_allocated()
+        assert done.count == 2 and done.freed_bytes == 2 * 1024 * 4096 * 2, done
+        after = compiled(x).clone()
+        compiled(x)
+    assert kpt_compiler.last_report().pass_record("fp4").stats.get("released_weights") == 2
+    assert freed >= done.freed_bytes, (freed, done)
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
