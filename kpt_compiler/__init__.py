@@ -69,6 +69,15 @@ def release_weights(model):
     return release_fp8(model) + release_fp4(model)
 
 
+def prune_2_4(model, *, skip=(), min_features: int = 64, keep_mask: bool = True):
+    """Prune every eligible ``nn.Linear`` weight of ``model`` to 2:4 structured sparsity (two of each four along
+    the input features kept, by magnitude), in place; with ``keep_mask`` fine-tuning keeps the pattern. Returns
+    per layer the share of zeros and the weight's SQNR (passes/_sparse24.py)."""
+    from .passes._sparse24 import prune
+
+    return prune(model, skip=skip, min_features=min_features, keep_mask=keep_mask)
+
+
 def refresh_weights(model) -> int:
     """Quantize again the static fp8 and fp4 copies of ``model``'s parameters after a write their check cannot
     see (through ``param.data``, a fused optimizer's step). Returns how many it refreshed."""
@@ -103,6 +112,7 @@ __all__ = [
     "detect_target",
     "release_weights",
     "refresh_weights",
+    "prune_2_4",
 ]
 
 
