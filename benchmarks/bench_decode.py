@@ -12,8 +12,10 @@ new tokens, --repeats times each; ms/token = (T(N) - T(1)) / (N - 1): the decode
 median and [min, max] over repeats. Every call makes exactly N tokens: the end-of-sequence id is unset. The
 tokens of each mode are compared with the --reference mode's and eager's ("identical", or the first index that
 differs). kpt modes list, per graph, the passes that fired and what the cudagraphs pass decided.
-``--profile MODES`` profiles 3 decode steps of those modes (generate with 4 new tokens minus generate with 1)
-and prints the kernels that take the most device time per token.
+``--separate`` runs each mode in a process of its own (one mode's compiled graphs, Dynamo caches and allocator
+state cannot slow the next; the record says so). ``--profile MODES`` profiles 3 decode steps of those modes
+(generate with 4 new tokens minus generate with 1) and prints the kernels that take the most device time per
+token.
 transformers' own auto-compile of static-cache decoding is switched off (``disable_compile``): otherwise it
 wraps every mode's forward, eager included, in its own torch.compile on cuda.
 """
@@ -22,9 +24,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -43,6 +49,7 @@ FULL = dict(num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_
 TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)
 PROFILED_STEPS = 3
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compile_kwargs(mode: str, device: str) -> dict | None:
@@ -208,6 +215,24 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def _in_own_process(args, mode: str, kwargs: dict | None) -> dict:
+    """``mode``'s row from a process of its own (bench_decode --row-file), or an error row if it died."""
+    with tempfile.TemporaryDirectory(prefix="kpt_decode_") as folder:
+        path = os.path.join(folder, "row.json")
+        cmd = [sys.executable, "-m", "benchmarks.bench_decode", "--device", args.device, "--modes", mode,
+               "--reference", args.reference, "--batch", str(args.batch), "--prompt", str(args.prompt),
+               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--top", str(args.top),
+               "--profile", mode if mode in args.profile else "", "--row-file", path]
+        cmd += ["--tiny"] if args.tiny else []
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+    tail = " ".join((done.stdout + done.stderr).split())[-250:]
+    return {"mode": mode, "compile_kwargs": kwargs, "status": f"error: its process exited with {done.returncode}: "
+            f"{tail}"}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -221,6 +246,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", default="", help="modes (comma-separated) to profile after timing (CUDA only)")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--out", default="benchmarks/out/decode")
+    p.add_argument("--separate", action="store_true", help="each mode in a process of its own (nothing left by "
+                   "the modes before it: Dynamo's caches, the allocator's blocks, compiled graphs)")
+    p.add_argument("--row-file", default=None, help=argparse.SUPPRESS)  # --separate's child: its one row here
     args = p.parse_args(argv)
     args.new_tokens = args.new_tokens or (8 if args.tiny else 64)
     args.profile = [m for m in args.profile.split(",") if m] if args.device == "cuda" else []
@@ -228,14 +256,18 @@ def main(argv=None) -> int:
     kwargs = {m: compile_kwargs(m, device) for m in names}
     dtype = torch.float32 if args.tiny or device == "cpu" else torch.bfloat16
     config = TINY if args.tiny else FULL
-    model = build_model(config, device, dtype)
-    forward = model.forward
+    model = None if args.separate else build_model(config, device, dtype)  # --separate: each process builds its own
+    forward = model.forward if model is not None else None
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config["vocab_size"], (args.batch, args.prompt), generator=g).to(device)
-    if device == "cuda":
+    if device == "cuda" and model is not None:
         measure.warm_up(device)  # process-wide one-time costs out of the first mode's compile time
     rows = []
     for mode in names:
+        if args.separate:
+            rows.append(_in_own_process(args, mode, kwargs[mode]))
+            print(f"{mode}: {rows[-1]['status']}", flush=True)
+            continue
         row = {"mode": mode, "compile_kwargs": kwargs[mode], "status": skip_reason(mode, device) or "ok"}
         if row["status"] == "ok":
             try:
@@ -249,6 +281,10 @@ def main(argv=None) -> int:
         print(f"{mode}: {row['status']}" + (f", {row['ms_per_token']:.3f} ms/token" if "ms_per_token" in row else ""),
               flush=True)
         rows.append(row)
+    if args.row_file:
+        with open(args.row_file, "w") as f:
+            json.dump({**rows[0], "attn_implementation": model.config._attn_implementation}, f)
+        return 0
     tokens = {r["mode"]: r.get("tokens") for r in rows}
     for r in rows:
         r["vs_reference"] = first_difference(r.get("tokens"), tokens.get(args.reference))
@@ -256,7 +292,9 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.bench_decode " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     record = {"card": torch.cuda.get_device_name() if device == "cuda" else "cpu", "device": device,
               "config_name": "tiny" if args.tiny else "8-layer", "config": config, "dtype": str(dtype),
-              "attn_implementation": model.config._attn_implementation, "batch": args.batch,
+              "attn_implementation": model.config._attn_implementation if model is not None else
+              next((r["attn_implementation"] for r in rows if "attn_implementation" in r), None), "batch": args.batch,
+              "separate_processes": args.separate,
               "prompt": args.prompt, "new_tokens": args.new_tokens, "repeats": args.repeats,
               "reference": args.reference, "command": command, "rows": rows}
     from kpt_compiler.bench import git_commit

@@ -54,3 +54,13 @@ def test_a_failing_mode_is_a_row(tmp_path, monkeypatch):
     assert rows["kpt"]["status"] == "error: RuntimeError: boom"
     assert rows["kpt"]["vs_eager"] == "-"
     assert rows["eager"]["status"] == "ok" and rows["eager"]["vs_reference"] == "identical"
+
+
+def test_separate_runs_each_mode_in_its_own_process(tmp_path):
+    out = str(tmp_path)
+    assert bench_decode.main(["--device", "cpu", "--tiny", "--modes", "eager,kpt", "--repeats", "1",
+                              "--new-tokens", "4", "--reference", "eager", "--separate", "--out", out]) == 0
+    record, rows = _rows(out)
+    assert record["separate_processes"] and record["attn_implementation"]
+    assert rows["eager"]["status"] == "ok" and rows["kpt"]["status"] == "ok", rows
+    assert rows["kpt"]["vs_reference"] == "identical" and len(rows["kpt"]["graphs"]) == 2
