@@ -94,7 +94,7 @@ class BucketGraphs:
                 return self._replay(cap, args, padded_args)
             recapture = bool(held)
             if recapture:
-                self._make_room(key, held)
+                self._make_room(held)
         else:
             cap = self.graphs.get(key)
             if cap is not None:
@@ -123,10 +123,9 @@ class BucketGraphs:
             return None
         self.pool_mb += cap.pool_mb
         self.read_in_place.setdefault(key, set(cap.in_place))
-        if self.mutated:
+        if self.mutated:  # kept by address only (self.graphs holds the graphs of the others)
             held = self.by_address[key]
             held[where] = cap
-            self.graphs[key] = cap
             if recapture:
                 self.recaptures += 1
                 if self.recaptures == 1:
@@ -138,7 +137,7 @@ class BucketGraphs:
         self.note(f"bucket {_label(sizes)}: captured ({cap.pool_mb:.1f} MiB more in the graphs' pool, "
                   f"{self.pool_mb:.1f} MiB in all)")
         if self.settings.max_pool_mb is not None and self.pool_mb > self.settings.max_pool_mb:
-            del self.graphs[key]
+            self.graphs.pop(key, None)
             self.by_address.pop(key, None)
             self.pool_mb -= cap.pool_mb
             self.declined[key] = f"the pool would hold {self.pool_mb + cap.pool_mb:.0f} MiB, over max_pool_mb"
@@ -146,7 +145,7 @@ class BucketGraphs:
             return None
         return self._replay(cap, args, padded_args)
 
-    def _make_room(self, key: tuple, held: dict) -> None:
+    def _make_room(self, held: dict) -> None:
         """Before capturing for a new set of written inputs' addresses: the least recently used graphs of this
         bucket go while MAX_ADDRESS_SETS are held, or while one more of them would pass max_pool_mb (otherwise
         the cap would decline every later cache for good while holding graphs of caches that are gone)."""
@@ -154,10 +153,6 @@ class BucketGraphs:
         cap_mb = self.settings.max_pool_mb
         while held and (len(held) >= self.MAX_ADDRESS_SETS or cap_mb is not None and self.pool_mb + size > cap_mb):
             self.pool_mb -= held.pop(next(iter(held))).pool_mb  # an upper bound: graphs share the pool's blocks
-        if held:
-            self.graphs[key] = next(reversed(held.values()))
-        else:
-            self.graphs.pop(key, None)
 
     def _why_not(self, key: tuple, sizes: dict, estimate: bool = True) -> str | None:
         if self.mutated_inputs:

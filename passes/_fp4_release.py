@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ._released import Released, ReleasedWeight, release
+from ._released import Released, ReleasedWeight, fitting_copy, release
 
 
 class Fp4WeightTensor(ReleasedWeight):
@@ -74,12 +74,7 @@ class Fp4WeightTensor(ReleasedWeight):
 def _copy_of(param: torch.Tensor):
     from . import fp4
 
-    copies = [c for c in (fp4._TABLE.get(param) or {}).values() if c.fits(param)]
-    if not copies:
-        return None
-    if copies[0].stale(param):
-        copies[0].refresh(param)
-    return copies[0]
+    return fitting_copy(fp4._TABLE, param)
 
 
 def _wrap(copy) -> Fp4WeightTensor:

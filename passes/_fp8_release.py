@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import _fp8_static
-from ._released import Released, ReleasedWeight, release
+from ._released import Released, ReleasedWeight, fitting_copy, release
 
 
 class Fp8WeightTensor(ReleasedWeight):
@@ -73,18 +73,10 @@ def fp8_linear_released(x: torch.Tensor, w: Fp8WeightTensor, bias: torch.Tensor 
     return _fp8_static.fp8_linear_static(x, w.w8, w.scale, bias, granularity=w.granularity)
 
 
-def _copy_of(param: torch.Tensor):
-    weights = [w for w in (_fp8_static._TABLE.get(param) or {}).values() if w.fits(param)]
-    if not weights:
-        return None
-    if weights[0].stale(param):
-        weights[0].refresh(param)
-    return weights[0]
-
-
 def release_weights(module: torch.nn.Module) -> Released:
     """Replace each parameter of ``module`` that the fp8 pass quantized once (compile the model with
     ``fp8`` first, under ``torch.no_grad()``, with frozen parameters or ``static_weights=True``) by its fp8 copy,
     so that its bf16 storage can be freed. See the module's docstring for what still works."""
-    return release(module, _copy_of, lambda w: Fp8WeightTensor(w.w8, w.scale, w.dtype, w.granularity, w.transposed),
-                   "fp8")
+    def wrap(w):
+        return Fp8WeightTensor(w.w8, w.scale, w.dtype, w.granularity, w.transposed)
+    return release(module, lambda p: fitting_copy(_fp8_static._TABLE, p), wrap, "fp8")

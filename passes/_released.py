@@ -77,6 +77,17 @@ class Released:
         return text + "".join(f"; {name}: {why}" for name, why in self.skipped.items())
 
 
+def fitting_copy(table, param: torch.Tensor):
+    """The first copy of ``param`` in a pass's copy table (parameter -> {key: copy}) that fits it, made again if
+    the parameter changed since; None if there is none."""
+    copies = [c for c in (table.get(param) or {}).values() if c.fits(param)]
+    if not copies:
+        return None
+    if copies[0].stale(param):
+        copies[0].refresh(param)
+    return copies[0]
+
+
 def release(module: torch.nn.Module, copy_of: Callable[[torch.Tensor], Any],
             wrap: Callable[[Any], ReleasedWeight], to: str) -> Released:
     """Replace each parameter of ``module`` that ``copy_of`` has a low-precision copy of (fitting and up to date;
