@@ -242,14 +242,18 @@ def _host_ms(gm: fx.GraphModule, cal) -> tuple[float, int, float] | None:
 
 def estimate(gm: fx.GraphModule, sizes: dict | None = None) -> tuple[float, int, int]:
     """(FLOPs of the graph, as torch.utils.flop_counter counts them on a run over the recorded fake values; bytes
-    its ops write; bytes of its tensor inputs). ``sizes``: values of the dynamic sizes (symbol -> int); the
-    ones not given take the sizes of the example Dynamo compiled with."""
+    its ops write; bytes of the tensors it reads: the inputs it uses and its constants). An input no node uses
+    is not read: a layer's 16-bit weight stays an input of Dynamo's graph after the fp4 pass has replaced it by
+    a quarter of its bytes in constants. ``sizes``: values of the dynamic sizes (symbol -> int); the ones not
+    given take the sizes of the example Dynamo compiled with."""
     written, inputs, fakes = 0, 0, []
     for node in gm.graph.nodes:
         value = ir.example_value(node)
         if node.op == "placeholder":
-            inputs += _nbytes(value, sizes)
+            inputs += _nbytes(value, sizes) if node.users else 0
             fakes.append(_int(value, sizes) if isinstance(value, torch.SymInt) else value)
+        elif node.op == "get_attr" and node.users:
+            inputs += _nbytes(value, sizes)
         elif node.op in ("call_function", "call_method", "call_module") and isinstance(value, torch.Tensor):
             if not _is_view(node):
                 written += _nbytes(value, sizes)
