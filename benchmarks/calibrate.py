@@ -28,6 +28,9 @@ measured with (``kpt_compiler.cost_model.source_hash``). bf16 throughout. Tables
                            (cuBLAS), CUDA-graph replays over weight copies that together take 3x the L2
                            (bench_fp4.copies_for), at FP4_SHAPES; formats nvfp4, mxfp4 (not in the default
                            --tables: ask for them)
+  sparse24_linear          the 2:4 sparse linear (kernels/sparse24_linear.py: torch's cuSPARSELt, else CUTLASS)
+                           against the dense bf16 linear, CUDA-graph replays, at SPARSE_SHAPES (not in the
+                           default --tables)
 
 ``--tables`` runs some of them (each call adds its run to the file).
 """
@@ -53,6 +56,10 @@ FP8_TABLES = tuple(f"fp8_linear_{r}{t}" for r in ("tensorwise", "rowwise") for t
 FP8_SHAPES = [(M, K, N) for M in (128, 2048, 8192) for K, N in ((4096, 4096), (4096, 14336), (14336, 4096))]
 FP4_TABLES = ("fp4_linear_nvfp4", "fp4_linear_mxfp4")
 FP4_SHAPES = [(M, K, N) for M in (1, 2, 4, 16, 64, 256) for K, N in ((4096, 4096), (4096, 14336), (14336, 4096))]
+SPARSE_TABLES = ("sparse24_linear",)
+# the issue's Llama layers, BERT-base's and ViT-base's MLP, the zoo Llama's MLP; decode to prefill sizes
+SPARSE_SHAPES = [(M, K, N) for M in (16, 128, 1024, 8192) for K, N in (
+    (4096, 4096), (4096, 14336), (14336, 4096), (768, 3072), (3072, 768), (1024, 2816), (2816, 1024))]
 # (M, K, widths) of the q/k/v cases: grouped-query as the zoo Llama (K=1024, k and v a quarter), multi-head
 HORIZONTAL = [(1, 1024, "gqa"), (128, 1024, "gqa"), (1024, 1024, "gqa"), (8192, 1024, "gqa"), (1024, 1024, "mha"),
               (8192, 1024, "mha"), (16384, 768, "mha")]
@@ -228,6 +235,26 @@ def measure_fp4(table: str) -> dict:
     return {"source": cm.source_hash(kernel), "points": points}
 
 
+def measure_sparse24(table: str) -> dict:
+    """The 2:4 sparse linear (kernels/sparse24_linear.py, torch's default sparse kernel) against the dense bf16
+    linear at SPARSE_SHAPES, device time; Gaussian weights pruned by magnitude."""
+    from kpt_compiler.bench import median_ms
+    from kpt_compiler.kernels import sparse24_linear as kernel
+    from kpt_compiler.passes._sparse24 import prune_2_4
+
+    points = []
+    for M, K, N in SPARSE_SHAPES:
+        w = prune_2_4(torch.randn(N, K, device="cuda", dtype=torch.bfloat16))
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        s = kernel.compress(w, kernel.default_backend())
+        s.alg_id = kernel.search_alg(s, M, x.dtype)  # as the pass does at compile time
+        theirs = median_ms(lambda: F.linear(x, w), "cuda", cuda_graph=True)
+        ours = median_ms(lambda: kernel.sparse24_linear(x, s), "cuda", cuda_graph=True)
+        points.append({"M": M, "K": K, "N": N, "speedup": round(theirs / ours, 4), "ours_us": round(ours * 1e3, 2),
+                       "theirs_us": round(theirs * 1e3, 2), "kernel": s.backend})
+    return {"source": cm.source_hash(kernel), "points": points}
+
+
 def measure_ceilings() -> dict:
     from kpt_compiler.bench import copy_bandwidth, median_ms
 
@@ -250,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(cm.CALIBRATION_DIR), help="the folder of calibration files")
     args = p.parse_args(argv)
     tables = [t.strip() for t in args.tables.split(",") if t.strip()]
-    unknown = sorted(set(tables) - set(TABLES) - set(FP8_TABLES) - set(FP4_TABLES))
+    known = TABLES + FP8_TABLES + FP4_TABLES + SPARSE_TABLES
+    unknown = sorted(set(tables) - set(known))
     if unknown:
-        p.error(f"unknown table(s) {unknown}; known: {', '.join(TABLES + FP8_TABLES + FP4_TABLES)}")
+        p.error(f"unknown table(s) {unknown}; known: {', '.join(known)}")
     if not torch.cuda.is_available():
         print("error: benchmarks.calibrate measures this card's CUDA kernels and torch.cuda.is_available() is "
               "False; run it on the GPU machine", file=sys.stderr)
@@ -264,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     measures = {"horizontal": measure_horizontal, "host": measure_host, "ceilings": measure_ceilings}
     for table in tables:  # written after each table, so a run cut short keeps what it measured
         measured = measures[table]() if table in measures else measure_fp8(table) if table in FP8_TABLES \
-            else measure_fp4(table) if table in FP4_TABLES else measure_gemm_table(table)
+            else measure_fp4(table) if table in FP4_TABLES else measure_sparse24(table) if table in SPARSE_TABLES \
+            else measure_gemm_table(table)
         old = json.loads(path.read_text()) if path.exists() else None
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(merge(old, device, run, {table: measured}), indent=1) + "\n")

@@ -28,4 +28,9 @@ OPTION_SETS: dict[str, dict] = {
     "bucketing-fit+cudagraphs": {"bucketing": {"buckets": "fit"}, "cudagraphs": True},
     # plain kpt buckets by default from the 4th distinct size: this is kpt as it was before that
     "no-bucketing": {"bucketing": False},
+    # lossy, opt-in: 2:4 sparse weights (pruned by magnitude) where the card's calibration says they pay
+    "2:4": {"sparsity_2_4": True},
+    "2:4-always": {"sparsity_2_4": {"decide": "always"}},  # every eligible layer: what the gate saves us from
+    # the same inside CUDA graphs: torch's cuSPARSELt call costs the host far more than a dense GEMM's
+    "2:4+cudagraphs": {"sparsity_2_4": True, "cudagraphs": {"decide": "always"}},
 }

@@ -79,12 +79,12 @@ def prune_2_4(model, *, skip=(), min_features: int = 64, keep_mask: bool = True)
 
 
 def refresh_weights(model) -> int:
-    """Quantize again the static fp8 and fp4 copies of ``model``'s parameters after a write their check cannot
+    """Make again the static fp8, fp4 and 2:4 copies of ``model``'s parameters after a write their check cannot
     see (through ``param.data``, a fused optimizer's step). Returns how many it refreshed."""
-    from .passes import fp4
+    from .passes import fp4, sparsity_2_4
     from .passes._fp8_static import refresh_weights as refresh
 
-    return refresh(model) + fp4.refresh_weights(model)
+    return refresh(model) + fp4.refresh_weights(model) + sparsity_2_4.refresh_weights(model)
 
 __all__ = [
     "kernelpytorch",

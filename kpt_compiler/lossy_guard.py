@@ -1,6 +1,6 @@
 """The guard for lossy passes: measure a rewrite's error, back it out when it is over the pass's bound.
 
-A lossy pass (fp8, passes/fp8.py; fp4 and 2:4 sparsity are planned) declares ``lossy=True`` and an error
+A lossy pass (fp8, fp4, sparsity-2-4: passes/fp8.py, fp4.py, sparsity_2_4.py) declares ``lossy=True`` and an error
 bound in dB of signal-to-noise ratio. For each stage with such a pass enabled, the pass manager runs the unmodified graph once on the
 stage's example inputs (Dynamo's real inputs for pre_aot; random ones of the recorded shapes later) and keeps
 its outputs. After the lossy pass, it runs the rewritten graph on the same inputs and computes, for every

@@ -16,4 +16,5 @@ from . import (  # noqa: F401  (importing registers them)
     fuse_gated_linear,
     fuse_linear_epilogue,
     merge_parallel_linears,
+    sparsity_2_4,
 )

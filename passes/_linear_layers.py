@@ -45,3 +45,10 @@ def not_plain(node: fx.Node, skip: tuple[str, ...]) -> str | None:
         if path and fnmatch.fnmatchcase(path, pattern):
             return f"module {path} matches skip pattern {pattern!r}"
     return None
+
+
+def measured_ms(fn) -> float:
+    """A layer's device time under ``decide="measure"`` (the weight passes' compile-time timing)."""
+    from kpt_compiler.bench import median_ms
+
+    return median_ms(fn, "cuda", warmup_ms=25, rep_ms=100)

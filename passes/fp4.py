@@ -34,24 +34,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
-import weakref
 from typing import Literal
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
 from kpt_compiler import torch_ir as ir
 from kpt_compiler.cost_model import Candidate, CostModel
 from kpt_compiler.registry import PassContext, graph_pass
 
-from . import _fp8_static
+from . import _fp8_static, _weight_copies
 from . import _symbolic_masks as symbolic_masks
 from ._fusion_common import needs_grad
 from ._fp4_release import Fp4WeightTensor
-from ._linear_layers import module_path, not_plain, operands
+from ._linear_layers import measured_ms, module_path, not_plain, operands
 
 DEFAULT_BOUND_DB = 15.0  # NVFP4 keeps about 20 dB of a Gaussian weight, MXFP4 about 19 (tests/test_fp4_format.py)
 
@@ -90,71 +89,36 @@ def _supports(target, options) -> str | None:
     return None
 
 
-# parameter -> {(format, transposed): Fp4Copy}, weakly both ways (the fp8 pass's static weights keep theirs so
-# too; that module stays as its calibration measured it, so this one has its own table)
-_TABLE = WeakIdKeyDictionary()
+# parameter -> {(format, transposed): Fp4Copy} (passes/_weight_copies.py; the fp8 pass's static weights keep
+# theirs in a table of their own: that module stays as its calibration measured it)
+_TABLE = _weight_copies.new_table()
 
 
-class Fp4Copy:
-    """A parameter's weight [N, K] in fp4 (``q``), made from ``param`` (``param.t()`` where the layer stores the
-    weight [K, N]); refreshed in place, so graphs and CUDA graphs keep reading the same tensors. ``stale`` says
-    whether a parameter is not the one it was made from as it was (identity, version, storage)."""
+class Fp4Copy(_weight_copies.WeightCopy):
+    """A parameter's weight [N, K] in fp4 (``q``: its parts are the copy's, refreshed in place)."""
 
     def __init__(self, param: torch.Tensor, fmt, transposed: bool):
-        self.fmt, self.transposed, self.dtype = fmt, transposed, param.dtype
-        self.q = self._quantize(param)
-        self.made_from = (weakref.ref(param), param._version, param.data_ptr())
-
-    def stale(self, param: torch.Tensor) -> bool:
-        ref, version, ptr = self.made_from
-        return ref() is not param or (param._version, param.data_ptr()) != (version, ptr)
-
-    def _quantize(self, param: torch.Tensor):
         from kpt_compiler.kernels import _fp4_format
 
-        with torch.no_grad():
-            w = param.detach().t() if self.transposed else param.detach()
-            return _fp4_format.quantize(w, self.fmt)
+        self.fmt = fmt
+        super().__init__(param, transposed)
+        self.q = _fp4_format.Fp4Weight(fmt, *self.parts, self.shape)
 
-    def fits(self, param: torch.Tensor) -> bool:
-        shape = tuple(param.shape[::-1] if self.transposed else param.shape)
-        return shape == tuple(self.q.shape) and param.device == self.q.packed.device and param.dtype == self.dtype
+    def make(self, w: torch.Tensor) -> tuple:
+        from kpt_compiler.kernels import _fp4_format
 
-    def refresh(self, param: torch.Tensor) -> None:
-        new = self._quantize(param)
-        for mine, theirs in ((self.q.packed, new.packed), (self.q.scales, new.scales),
-                             (self.q.global_scale, new.global_scale)):
-            mine.copy_(theirs)
-        self.made_from = (weakref.ref(param), param._version, param.data_ptr())
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes()
+        q = _fp4_format.quantize(w, self.fmt)
+        return q.packed, q.scales, q.global_scale
 
 
 def copy_for(param: torch.Tensor, fmt, transposed: bool) -> Fp4Copy:
-    """The shared copy of ``param`` in ``fmt``: made now if there is none or the parameter no longer fits it
-    (a recompile for another shape, dtype or device gets a new one), made again if it changed since."""
-    mine = _TABLE.get(param)
-    if mine is None:
-        mine = _TABLE[param] = weakref.WeakValueDictionary()  # a copy lives as long as a graph reads it
-    copy = mine.get((fmt.name, transposed))
-    if copy is None or not copy.fits(param):
-        copy = mine[(fmt.name, transposed)] = Fp4Copy(param, fmt, transposed)
-    elif copy.stale(param):
-        copy.refresh(param)
-    return copy
+    """The shared copy of ``param`` in ``fmt`` (made, remade or refreshed as _weight_copies.copy_in says)."""
+    return _weight_copies.copy_in(_TABLE, param, (fmt.name, transposed), lambda: Fp4Copy(param, fmt, transposed))
 
 
 def refresh_weights(module: torch.nn.Module) -> int:
     """Make again every fp4 copy of ``module``'s parameters (kpt_compiler.refresh_weights)."""
-    done = 0
-    for param in module.parameters():
-        for copy in list((_TABLE.get(param) or {}).values()):
-            if copy.fits(param):
-                copy.refresh(param)
-                done += 1
-    return done
+    return _weight_copies.refresh_all(_TABLE, module)
 
 
 @graph_pass("fp4", summary="inference linear weights -> 4-bit floats with block scales (NVFP4 or MXFP4), "
@@ -244,7 +208,7 @@ def count_flops() -> None:
     calibration."""
     from torch.utils.flop_counter import register_flop_formula
 
-    from kpt_compiler.kernels import fp4_linear  # noqa: F401 - defines the op
+    importlib.import_module("kpt_compiler.kernels.fp4_linear")  # defines the op
 
     @register_flop_formula(torch.ops.kpt.fp4_linear)
     def _flops(x_shape, packed_shape, *args, **kwargs) -> int:
@@ -300,7 +264,7 @@ def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device,
         q = _fp4_format.quantize(w, fmt)
     candidate = Candidate(f"fp4_linear_{fmt.name}", M, {"K": K, "N": N}, dtype, kernel, mkn=(M, K, N),
                           ours=(lambda: kernel.fp4_linear(x, q)) if measuring else None,
-                          baseline_ms=(lambda: _ms(lambda: F.linear(x, w))) if measuring else None)
+                          baseline_ms=(lambda: measured_ms(lambda: F.linear(x, w))) if measuring else None)
     d = (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
     if d.rewrite:
         ctx.note(f"{label}: fp4_linear_{fmt.name} {M}x{K}x{N} ({d.why})")
@@ -308,8 +272,3 @@ def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device,
         ctx.near_miss(f"{label}: fp4_linear_{fmt.name} not faster here ({d.why})")
     return d.rewrite
 
-
-def _ms(fn) -> float:
-    from kpt_compiler.bench import median_ms
-
-    return median_ms(fn, "cuda", warmup_ms=25, rep_ms=100)

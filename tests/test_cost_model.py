@@ -160,7 +160,7 @@ def test_the_committed_calibrations_hold_their_promises():
     """Each file under kpt_compiler/calibration names its card as its file name does, every entry names the run
     (command, date, commit) that measured it, and its kernel sources are today's (a kernel changed since its
     calibration would make the cost model decline on that card: python -m benchmarks.calibrate again)."""
-    from kpt_compiler.kernels import fp4_linear, layer_norm, linear_epilogue, rms_norm
+    from kpt_compiler.kernels import fp4_linear, layer_norm, linear_epilogue, rms_norm, sparse24_linear
     from kpt_compiler.passes import _fp8_recipes, _fp8_static
     from kpt_compiler.passes.merge_parallel_linears import merged_linear
 
@@ -170,6 +170,7 @@ def test_the_committed_calibrations_hold_their_promises():
     sources.update({f"fp8_linear_{r}{t}": _fp8_recipes for r in ("tensorwise", "rowwise") for t in ("", "_train")})
     sources.update({f"fp8_linear_{r}_static": _fp8_static for r in ("tensorwise", "rowwise")})
     sources.update({f"fp4_linear_{f}": fp4_linear for f in ("nvfp4", "mxfp4")})
+    sources["sparse24_linear"] = sparse24_linear
     files = sorted(cm.CALIBRATION_DIR.glob("*.json"))
     for path in files:
         data = json.loads(path.read_text())

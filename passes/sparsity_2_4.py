@@ -1,0 +1,280 @@
+"""sparsity-2-4: inference linear layers with 2:4 semi-structured sparse weights (lossy when it prunes; off by
+default).
+
+Before (Dynamo's graph)::
+
+    y = F.linear(x, W, b)                       # nn.Linear in an inference graph, W a parameter
+
+After::
+
+    y = kpt::sparse24_linear(x, packed, meta, N, K, kernel) + b     # kernels/sparse24_linear.py
+
+In every group of four weights along K (the input features) two are zero, and NVIDIA's sparse tensor cores
+(Ampere and later) skip them: torch's cuSPARSELt or CUTLASS kernels, the ones behind
+``torch.sparse.to_sparse_semi_structured``. A weight that already has the pattern (``kpt_compiler.prune_2_4``
+and fine-tuning with the mask kept, passes/_sparse24.py) is taken as it is, exactly; otherwise, with ``prune``
+(the default), the pass prunes it by magnitude (the two largest |w| of each group stay), which is lossy. The
+compressed weight is made once, when the graph compiles, and made again before a call if its parameter changed
+(passes/_weight_copies.py); the module keeps its own weight.
+
+Eligible: inference graphs, a linear whose weight is a parameter of the module, a bfloat16 or float16 layer,
+both dimensions at least ``min_features`` and the kernel's multiples (``WEIGHT_MULTIPLES``), a module path
+matching none of ``skip``. Small shapes lose to dense (a 1x4096 by 4096x4096 product ran at 0.11x dense in
+pytorch/pytorch#111339), so each rewrite asks the cost model (``decide``): under "auto" the card's calibration
+table ``sparse24_linear`` (benchmarks/calibrate.py); a card without one declines and says that "measure" would
+time it; "always" takes every eligible layer. Every declined layer is a near miss with its figures. The lossy
+guard measures each layer's own output against the dense layer's on the example inputs (SQNR, dB) and backs out
+a layer under ``error_bound_db``.
+
+Runs on CUDA (sm_80 and later). ``kernel="dense"`` keeps the pruned weight as a dense matrix: no faster, but it
+runs anywhere, so a pruned model's accuracy can be seen on the CPU (the CPU tests' reference); it rewrites
+every eligible layer (there is no speed to decide on). Asked for on XLA, or on a CPU without ``kernel="dense"``,
+it is an error that says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from kpt_compiler import torch_ir as ir
+from kpt_compiler.cost_model import Candidate, CostModel
+from kpt_compiler.registry import PassContext, graph_pass
+
+from . import _fp8_static, _sparse24, _weight_copies
+from . import _symbolic_masks as symbolic_masks
+from ._fusion_common import needs_grad
+from ._linear_layers import measured_ms, module_path, not_plain, operands
+
+# magnitude pruning keeps 8.8 dB of a Gaussian weight's output (tests/test_sparsity_2_4.py); a layer far under
+# that is one whose weights pruning hurts more than usual, and is backed out
+DEFAULT_BOUND_DB = 6.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparse24Options:
+    # prune weights to 2:4 by magnitude (lossy); False: take only layers whose weights already have the pattern
+    prune: bool = True
+    # "auto": cuSPARSELt where torch has it, else CUTLASS; "dense": the pruned weight as a dense matrix (a
+    # reference that runs anywhere, the CPU included; no faster)
+    kernel: Literal["auto", "cusparselt", "cutlass", "dense"] = "auto"
+    # module paths to keep dense, as fnmatch patterns ("lm_head", "*.0.*")
+    skip: tuple[str, ...] = ()
+    # leave layers with fewer input or output features than this alone
+    min_features: int = 256
+    # the lossy guard backs out a layer whose own output is under this many dB of SQNR (on the example inputs)
+    error_bound_db: float = DEFAULT_BOUND_DB
+    # "auto": the card's calibration (a card without a sparse24_linear table declines); "measure": time the
+    # sparse layer against the dense one on the device at compile time; "always": every eligible layer
+    decide: Literal["auto", "measure", "always"] = "auto"
+
+    def __post_init__(self):
+        if self.min_features < 16:
+            raise ValueError(f"min_features must be at least 16, got {self.min_features}")
+        if isinstance(self.skip, str) or not all(isinstance(p, str) for p in self.skip):
+            raise ValueError(f"skip must be a list of module-path patterns (strings), got {self.skip!r}")
+        if not self.error_bound_db > 0:
+            raise ValueError(f"error_bound_db must be positive (dB of SQNR), got {self.error_bound_db}")
+
+
+def _kernel(options: Sparse24Options) -> str:
+    from kpt_compiler.kernels import sparse24_linear as kernel
+
+    return kernel.default_backend() if options.kernel == "auto" else options.kernel
+
+
+def _supports(target, options) -> str | None:
+    if target.device == "xla":
+        return ("2:4 sparse kernels are CUDA kernels (torch.sparse.to_sparse_semi_structured); XLA devices lower "
+                "their own matrix products")
+    if options.kernel == "dense":
+        return None
+    if not target.is_cuda:
+        return (f"2:4 sparse kernels (torch.sparse.to_sparse_semi_structured: cuSPARSELt or CUTLASS) run on CUDA "
+                f"only, and this graph runs on {target.device}; kernel='dense' runs the pruned weights as dense "
+                "matrices here (to see the accuracy; no faster)")
+    if not target.has_sparse_2_4:
+        return f"{target.card} has no sparse tensor cores (2:4 needs sm_80 or later)"
+    if options.kernel == "cusparselt" and _kernel(Sparse24Options()) != "cusparselt":
+        return "this torch was built without cuSPARSELt (torch.backends.cusparselt); kernel='cutlass' runs"
+    if torch.cuda.is_available():  # the card is this process's: try the kernel once
+        from kpt_compiler.kernels import sparse24_linear as kernel
+
+        why = kernel.unavailable(_kernel(options))
+        if why:
+            return f"{why}; kernel='dense' runs the pruned weights as dense matrices (no faster)"
+    return None
+
+
+# parameter -> {(kernel, transposed): Sparse24Copy} (passes/_weight_copies.py)
+_TABLE = _weight_copies.new_table()
+
+
+class Sparse24Copy(_weight_copies.WeightCopy):
+    """A parameter's weight [N, K] pruned to 2:4 (where it was not already) and compressed for ``kernel``."""
+
+    def __init__(self, param: torch.Tensor, kernel: str, transposed: bool):
+        self.kernel = kernel
+        super().__init__(param, transposed)
+
+    def make(self, w: torch.Tensor) -> tuple:
+        from kpt_compiler.kernels import sparse24_linear as kernel
+
+        c = kernel.compress(_sparse24.prune_2_4(w), self.kernel)
+        return c.packed, c.meta
+
+    def weight(self):
+        from kpt_compiler.kernels import sparse24_linear as kernel
+
+        return kernel.Sparse24Weight(self.kernel, self.shape, *self.parts)
+
+
+def copy_for(param: torch.Tensor, kernel: str, transposed: bool) -> Sparse24Copy:
+    return _weight_copies.copy_in(_TABLE, param, (kernel, transposed), lambda: Sparse24Copy(param, kernel, transposed))
+
+
+def refresh_weights(module: torch.nn.Module) -> int:
+    """Make again every 2:4 copy of ``module``'s parameters (kpt_compiler.refresh_weights)."""
+    return _weight_copies.refresh_all(_TABLE, module)
+
+
+@graph_pass("sparsity-2-4", summary="inference linear weights -> 2:4 semi-structured sparse (pruned by magnitude "
+            "or already sparse), torch's sparse tensor-core kernels", stage="pre_aot", options=Sparse24Options,
+            default=False, lossy=True, error_bound_db=DEFAULT_BOUND_DB, statistics=("matches", "near_misses",
+            "exact"), supports=_supports)
+def sparsity_2_4(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    from kpt_compiler.kernels import sparse24_linear as kernel
+
+    if not ctx.is_inference:
+        ctx.note("not applied: a training graph (2:4 weights here are for inference; prune with "
+                 "kpt_compiler.prune_2_4 and fine-tune, then compile for inference)")
+        return False
+    backend = _kernel(ctx.options)
+    copies = []
+    for node in list(gm.graph.nodes):
+        if ir.kind(node) not in ("linear", "addmm"):
+            continue
+        path = module_path(node)
+        label = f"{node.name} ({path})" if path else node.name
+        why = _ineligible(node, ctx, backend)
+        if why:
+            ctx.near_miss(f"{label}: {why}")
+            continue
+        x, w, b, transposed = operands(node)
+        param = _parameter(w, ctx)
+        if param is None:
+            ctx.near_miss(f"{label}: its weight is not a parameter of the module (2:4 compresses parameters once, "
+                          "at compile time)")
+            continue
+        index = [n for n in gm.graph.nodes if n.op == "placeholder"].index(w)
+        if symbolic_masks.mutated(w):
+            ctx.near_miss(f"{label}: the graph writes into its weight (a copy made before the call would lag it)")
+            continue
+        if param.is_inference():
+            ctx.near_miss(f"{label}: its weight is an inference tensor (made under torch.inference_mode), whose "
+                          "changes cannot be seen; build the model outside inference_mode and compile under no_grad")
+            continue
+        dense = param.detach().t() if transposed else param.detach()
+        exact = _sparse24.is_2_4(dense)
+        if not exact and not ctx.options.prune:
+            ctx.near_miss(f"{label}: its weight is not 2:4 and prune=False (kpt_compiler.prune_2_4(model) prunes "
+                          "it; fine-tuning then recovers what pruning lost)")
+            continue
+        xv = ir.example_value(x)
+        N, K = dense.shape
+        M = xv.numel() // K
+        if isinstance(M, torch.SymInt):  # a dynamic batch: decided (and timed) at the size traced
+            M = M.node.hint if M.node.hint is not None else 1
+        if not _decide(ctx, label, M, K, N, xv.dtype, xv.device, backend) or not ctx.propose(node.name):
+            continue
+        copy = copy_for(param, backend, transposed)
+        weight = copy.weight()
+        if xv.device.type == "cuda":
+            weight.alg_id = kernel.search_alg(weight, M, xv.dtype)
+        parts = kernel.op_args(weight)
+        with gm.graph.inserting_before(node):
+            packed = ir.add_constant(gm, f"_kpt_sparse24_packed_{node.name}", parts[0], xv.fake_mode)
+            meta = None if parts[1] is None else ir.add_constant(gm, f"_kpt_sparse24_meta_{node.name}", parts[1],
+                                                                  xv.fake_mode)
+            op = new = ir.emit(gm.graph, torch.ops.kpt.sparse24_linear, (x, packed, meta, *parts[2:]), like=node)
+            if b is not None:
+                new = ir.emit(gm.graph, torch.add, (op, b), like=node)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        ctx.check_locally(node.name, op, lambda x, *_, w=dense: F.linear(x, w))  # the guard's figure, bias aside
+        ctx.count()
+        if exact:
+            ctx.count("exact")
+        copies.append((index, copy))
+        ctx.note(f"{label}: {M}x{K} @ {K}x{N}, " + ("already 2:4 (exact)" if exact else "pruned to 2:4 by magnitude")
+                 + f", {backend} ({copy.nbytes / 2**20:.2f} MiB against {param.nbytes / 2**20:.2f} MiB)")
+    if not copies:
+        return False
+    ctx.before_each_call(lambda args: _fp8_static.refresh(copies, args))
+    return True
+
+
+def _ineligible(node: fx.Node, ctx: PassContext, backend: str) -> str | None:
+    from kpt_compiler.kernels import sparse24_linear as kernel
+
+    if needs_grad(node):
+        return "a gradient flows through it (2:4 weights here are for inference)"
+    why = not_plain(node, ctx.options.skip)
+    if why:
+        return why
+    x, w, _b, transposed = operands(node)
+    wv, xv = ir.example_value(w), ir.example_value(x)
+    if xv.dtype not in (torch.bfloat16, torch.float16) or wv.dtype != xv.dtype:
+        return (f"a {str(xv.dtype).replace('torch.', '')} layer: the 2:4 kernels here take bfloat16 and float16 "
+                "(cast the model, or leave this layer as it is)")
+    N, K = wv.shape[::-1] if transposed else wv.shape
+    if not all(isinstance(s, int) for s in (N, K)):
+        return "dynamic weight sizes"
+    rows, cols = kernel.WEIGHT_MULTIPLES[backend]
+    if N % rows or K % cols:
+        return f"a {N}x{K} weight: {backend} needs N a multiple of {rows} and K of {cols}"
+    if min(K, N) < ctx.options.min_features:
+        return f"{K}x{N} is under min_features={ctx.options.min_features}"
+    return None
+
+
+def _parameter(w: fx.Node, ctx: PassContext) -> torch.Tensor | None:
+    """The module parameter behind ``w`` (a placeholder), or None."""
+    if not isinstance(w, fx.Node) or w.op != "placeholder":
+        return None
+    index = [n for n in w.graph.nodes if n.op == "placeholder"].index(w)
+    try:
+        real = ctx.example_inputs[index]
+    except (RuntimeError, IndexError):  # no example inputs (a later stage), or not Dynamo's calling convention
+        return None
+    return real if isinstance(real, torch.nn.Parameter) else None
+
+
+def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device, backend: str) -> bool:
+    """The cost model's answer for one layer (table ``sparse24_linear``), or timed under "measure"; the dense
+    reference is taken whenever it is eligible (it is asked for to see accuracy, not speed)."""
+    from kpt_compiler.kernels import sparse24_linear as kernel
+
+    how = ctx.decide
+    if how == "always" or backend == "dense":
+        return True
+    measuring = how == "measure"
+    x = w = s = None
+    if measuring:
+        x = torch.randn(M, K, device=device, dtype=dtype)
+        w = torch.randn(N, K, device=device, dtype=dtype)
+        s = kernel.compress(_sparse24.prune_2_4(w), backend)
+    candidate = Candidate("sparse24_linear", M, {"K": K, "N": N}, dtype, kernel, mkn=(M, K, N),
+                          ours=(lambda: kernel.sparse24_linear(x, s)) if measuring else None,
+                          baseline_ms=(lambda: measured_ms(lambda: F.linear(x, w))) if measuring else None)
+    d = (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
+    if d.rewrite:
+        ctx.note(f"{label}: sparse24_linear {M}x{K}x{N} pays ({d.why})")
+    else:
+        ctx.near_miss(f"{label}: sparse24_linear {M}x{K}x{N} not faster here ({d.why})")
+    return d.rewrite
+
