@@ -157,7 +157,17 @@ class PassManager:
         return PassContext(options=self.options.pass_options(spec.name), target=self.target, stage=stage,
                            is_inference=is_inference, mode=self.options.mode, codegen=self.codegen,
                            cost_model=self.cost_model, allowed=allowed, inputs_fn=inputs, graph_module=graph_module,
-                           explicit=self.options.passes[spec.name].explicit)
+                           explicit=self.options.passes[spec.name].explicit, cuda_graphs=self._cuda_graphs())
+
+    def _cuda_graphs(self) -> bool:
+        from kpt_compiler.cost_model import CUDA_GRAPH_MODES
+
+        if not self.target.is_cuda:
+            return False
+        if self.options.mode in CUDA_GRAPH_MODES:
+            return True
+        cg = self.options.passes.get("cudagraphs")
+        return bool(cg and self.options.pass_enabled("cudagraphs") and getattr(cg.options, "decide", None) == "always")
 
     def _why_not(self, spec: GraphPass) -> tuple[str, str] | None:
         """(status, reason) when the pass does not run at all (switched off, or not for this target), else None."""

@@ -22,7 +22,10 @@ both dimensions at least ``min_features`` and the kernel's multiples (``WEIGHT_M
 matching none of ``skip``. Small shapes lose to dense (a 1x4096 by 4096x4096 product ran at 0.11x dense in
 pytorch/pytorch#111339), so each rewrite asks the cost model (``decide``): under "auto" the card's calibration
 table ``sparse24_linear`` (benchmarks/calibrate.py); a card without one declines and says that "measure" would
-time it; "always" takes every eligible layer. Every declined layer is a near miss with its figures. The lossy
+time it; "always" takes every eligible layer. Under "auto" it takes layers only in graphs sure to replay from a
+CUDA graph (``mode="reduce-overhead"``, or ``cudagraphs={"decide": "always"}``): torch's cuSPARSELt call costs
+the host about 0.5 ms to issue (a dense GEMM's: 0.02 ms), which outside a captured graph made BERT and ViT 3-7x
+slower on the H100. Every declined layer is a near miss with its figures. The lossy
 guard measures each layer's own output against the dense layer's on the example inputs (SQNR, dB) and backs out
 a layer under ``error_bound_db``.
 
@@ -53,6 +56,10 @@ from ._linear_layers import measured_ms, module_path, not_plain, operands
 # magnitude pruning keeps 8.8 dB of a Gaussian weight's output (tests/test_sparsity_2_4.py); a layer far under
 # that is one whose weights pruning hurts more than usual, and is backed out
 DEFAULT_BOUND_DB = 6.0
+# issuing one call, H100, torch 2.11 (benchmarks/diag_sparse24_host.py): the calibration times CUDA-graph replays,
+# which hide this; under "auto" the pass takes layers only in graphs sure to be captured
+HOST_MS, DENSE_HOST_MS = 0.5, 0.02
+HOST_SOURCE = "nvidia-h100-80gb-hbm3/2026-11-27-s16-sparse24-host-e4c9142.txt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +269,12 @@ def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device,
     how = ctx.decide
     if how == "always" or backend == "dense":
         return True
+    if how == "auto" and not ctx.cuda_graphs:
+        ctx.near_miss(f"{label}: sparse24_linear {M}x{K}x{N} not taken without CUDA graphs: torch's cuSPARSELt call "
+                      f"costs the host {HOST_MS} ms to issue against a dense GEMM's {DENSE_HOST_MS} ms ({HOST_SOURCE}), "
+                      "so outside a captured graph it is bound by the host; mode='reduce-overhead' or "
+                      "cudagraphs={'decide': 'always'} captures the graph, decide='measure' times this one")
+        return False
     measuring = how == "measure"
     x = w = s = None
     if measuring:

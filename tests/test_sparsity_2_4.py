@@ -167,10 +167,17 @@ def test_asked_for_where_the_sparse_kernels_cannot_run_is_an_error(monkeypatch):
         _compile(_model(), True)(x)
 
 
-def test_off_by_default_and_auto_declines_on_a_card_without_a_table():
+def _ctx(target, cuda_graphs):
     from kpt_compiler.cost_model import CostModel
     from kpt_compiler.passes import sparsity_2_4 as pass_module
     from kpt_compiler.registry import PassContext
+
+    return PassContext(options=pass_module.Sparse24Options(), target=target, stage="pre_aot", is_inference=True,
+                       mode="default", codegen="inductor", cost_model=CostModel(target), cuda_graphs=cuda_graphs)
+
+
+def test_off_by_default_and_auto_declines_on_a_card_without_a_table():
+    from kpt_compiler.passes import sparsity_2_4 as pass_module
 
     model = _model()
     x = torch.randn(2, 256, dtype=torch.bfloat16)
@@ -178,11 +185,40 @@ def test_off_by_default_and_auto_declines_on_a_card_without_a_table():
         torch._dynamo.reset()
         torch.compile(model, backend="kernelpytorch", options={"codegen": "eager"})(x)
     assert _record().status == "disabled"
-    future = Target("cuda", "Some Future GPU", (12, 0))
-    ctx = PassContext(options=pass_module.Sparse24Options(), target=future, stage="pre_aot", is_inference=True,
-                      mode="default", codegen="inductor", cost_model=CostModel(future))
+    ctx = _ctx(Target("cuda", "Some Future GPU", (12, 0)), cuda_graphs=True)
     assert not pass_module._decide(ctx, "up", 8192, 4096, 14336, torch.bfloat16, "cuda", "cusparselt")
     assert any("not faster here" in n and "measure" in n for n in ctx.notes), ctx.notes
+
+
+def test_auto_takes_the_h100s_large_layers_only_where_a_cuda_graph_hides_the_host_cost(monkeypatch):
+    """The H100's sparse24_linear table says 1.4x at M=8192 (CUDA-graph replays); issued one by one, torch's
+    cuSPARSELt call costs the host 0.5 ms, so without graphs the pass declines and says how to get them."""
+    from kpt_compiler.passes import sparsity_2_4 as pass_module
+
+    monkeypatch.delenv("KPT_CALIBRATION_DIR", raising=False)
+    h100 = Target("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
+    graphs = _ctx(h100, cuda_graphs=True)
+    if graphs.cost_model.calibration is None or graphs.cost_model.calibration.table(
+            "sparse24_linear", torch.bfloat16) is None:
+        pytest.skip("no H100 sparse24_linear table committed")
+    assert pass_module._decide(graphs, "up", 8192, 4096, 14336, torch.bfloat16, "cuda", "cusparselt"), graphs.notes
+    assert not pass_module._decide(graphs, "o", 16, 4096, 4096, torch.bfloat16, "cuda", "cusparselt")  # 0.5x
+    plain = _ctx(h100, cuda_graphs=False)
+    assert not pass_module._decide(plain, "up", 8192, 4096, 14336, torch.bfloat16, "cuda", "cusparselt")
+    assert any("without CUDA graphs" in n and "reduce-overhead" in n for n in plain.notes), plain.notes
+
+
+@pytest.mark.parametrize("options, mode, expected", [
+    ({}, "default", False), ({"cudagraphs": {"decide": "always"}}, "default", True),
+    ({}, "reduce-overhead", True), ({"cudagraphs": False}, "default", False)])
+def test_the_pass_manager_says_when_the_graph_is_sure_to_be_captured(options, mode, expected):
+    from kpt_compiler.options import parse_options
+    from kpt_compiler.pass_manager import PassManager
+
+    opts = parse_options(mode if mode != "default" else None, options)
+    pm = PassManager(opts, Target("cuda", "NVIDIA H100 80GB HBM3", (9, 0)), report=None)
+    assert pm._cuda_graphs() is expected
+    assert PassManager(opts, Target("cpu", "cpu"), report=None)._cuda_graphs() is False
 
 
 @pytest.mark.parametrize("options, message", [
