@@ -33,4 +33,5 @@ OPTION_SETS: dict[str, dict] = {
     "2:4-always": {"sparsity_2_4": {"decide": "always"}},  # every eligible layer: what the gate saves us from
     # the same inside CUDA graphs: torch's cuSPARSELt call costs the host far more than a dense GEMM's
     "2:4+cudagraphs": {"sparsity_2_4": True, "cudagraphs": {"decide": "always"}},
+    "cudagraphs-always": {"cudagraphs": {"decide": "always"}},  # the line 2:4+cudagraphs is compared against
 }
