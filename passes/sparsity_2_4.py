@@ -217,8 +217,10 @@ def sparsity_2_4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         if exact:
             ctx.count("exact")
         copies.append((index, copy))
+        zeros = float((_sparse24.prune_2_4(dense) == 0).float().mean())
         ctx.note(f"{label}: {M}x{K} @ {K}x{N}, " + ("already 2:4 (exact)" if exact else "pruned to 2:4 by magnitude")
-                 + f", {backend} ({copy.nbytes / 2**20:.2f} MiB against {param.nbytes / 2**20:.2f} MiB)")
+                 + f", {zeros:.1%} zeros, {backend} ({copy.nbytes / 2**20:.2f} MiB against "
+                 f"{param.nbytes / 2**20:.2f} MiB)")
     if not copies:
         return False
     ctx.before_each_call(lambda args: _fp8_static.refresh(copies, args))
