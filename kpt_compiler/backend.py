@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
-from . import graph_utils
+from . import distributed, graph_utils
 from . import report as report_mod
 from .emitters import EMITTERS
 from .errors import OptionError, PassFailed
@@ -183,14 +184,19 @@ def kernelpytorch(
     opts = parse_options(mode, options)
     target = detect_target(example_inputs, opts.device)
     codegen = _choose_codegen(opts, target)
+    rank = distributed.rank()
     dump = None
     if opts.dump_dir:
         from .dump import DumpWriter
 
-        dump = DumpWriter.for_dir(opts.dump_dir)
+        # one folder per rank: the ranks of one job write their reports side by side, none over another's
+        dump = DumpWriter.for_dir(opts.dump_dir if rank is None else os.path.join(opts.dump_dir, f"rank{rank}"))
     shown = {**opts.to_dict(), **({"KPT_DISABLE": list(opts.env_disable)} if opts.env_disable else {})}
     graph_report = report_mod._new_report(compile_id=_compile_id(), codegen=codegen, target=target.to_dict(),
-                                          options=shown)
+                                          options=shown, rank=rank)
+    split = distributed.ddp_split()
+    if split:
+        graph_report.notes.append(split)
     pm = PassManager(opts, target, graph_report, dump=dump, codegen=codegen, example_inputs=example_inputs)
     pm.check_requested_passes()
     report_mod._publish(graph_report)

@@ -119,6 +119,7 @@ class GraphReport:
     notes: list[str] = dataclasses.field(default_factory=list)
     compile_ms: float = 0.0  # the backend call (forward); the backward adds its stage times later
     folder: str | None = None
+    rank: int | None = None  # this process's rank where torch.distributed runs more than one (None: one process)
 
     # ------------------------------------------------------------------ queries
     def passes(self, stage: str | None = None) -> list[PassRecord]:
@@ -147,6 +148,7 @@ class GraphReport:
             "options": self.options,
             "compile_ms": round(self.compile_ms, 3),
             "folder": self.folder,
+            "rank": self.rank,
             "notes": list(self.notes),
             "stages": {
                 s.stage: {
@@ -168,7 +170,8 @@ class GraphReport:
             detail = "; ".join(x for x in (p.error_text(), p.reason or ("; ".join(p.notes[:2]) if p.notes else "")) if x)
             rows.append((p.stage, p.name, p.status, str(p.matches), f"{p.time_ms:.1f}", detail[:80]))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        head = f"graph {self.index} (compile id {self.compile_id}, {self.codegen} on {self.target.get('name')})"
+        rank = f", rank {self.rank}" if self.rank is not None else ""
+        head = f"graph {self.index} (compile id {self.compile_id}, {self.codegen} on {self.target.get('name')}{rank})"
         lines = [head] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         if len(rows) == 1:
             lines.append("  (no passes in the pipeline)")
