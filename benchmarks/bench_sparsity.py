@@ -139,7 +139,7 @@ def run_row(layer, n, k, m, weights, device, rep_ms, g) -> dict:
     calls = {"dense bf16": lambda: F.linear(x, w), "fp8 dense": lambda: fp8_linear_static(x, w8, sw)}
     if device != "cuda":  # to_sparse_semi_structured is CUDA only: the dense masked references
         calls.update({"2:4 cuSPARSELt": lambda: F.linear(x, w24), "2:4 CUTLASS": lambda: F.linear(x, w24),
-                      "2:4 kpt": lambda: F.linear(x, w24), "fp8 + 2:4": lambda: fp8_linear_static(x, w8_24, sw24)})
+                      "2:4 kpt": lambda d=kernel.compress(w24, "dense"): kernel.sparse24_linear(x, d), "fp8 + 2:4": lambda: fp8_linear_static(x, w8_24, sw24)})
     else:
         for name in ("2:4 cuSPARSELt", "2:4 CUTLASS"):
             calls[name] = conv[name] if isinstance(conv[name], str) else (lambda ws=conv[name]: F.linear(x, ws))

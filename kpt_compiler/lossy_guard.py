@@ -37,6 +37,7 @@ small against any bound worth stating, but counted.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -214,6 +215,10 @@ class LossyGuard:
             return False, ctx
         rec.error_db = db
         if db < bound:
-            rec.notes.append(f"the graph's output is at {db:.1f} dB, under the bound, though each of the "
-                             f"{len(rec.layer_db)} rewrites kept is over it on its own: their errors add up")
+            said = (f"the graph's output is at {db:.1f} dB, under the bound, though each of the "
+                    f"{len(rec.layer_db)} rewrites kept is over it on its own: their errors add up")
+            rec.notes.append(said)
+            # kept by design (the bound is per rewrite), but not silently: the user sees it without the report
+            warnings.warn(f"kernelpytorch: pass {rec.name!r}: {said} (bound {bound:g} dB per rewrite; "
+                          "error_bound_db or skip keeps more layers exact)", RuntimeWarning, stacklevel=2)
         return True, ctx

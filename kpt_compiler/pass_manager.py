@@ -162,7 +162,7 @@ class PassManager:
     def _cuda_graphs(self) -> bool:
         from kpt_compiler.cost_model import CUDA_GRAPH_MODES
 
-        if not self.target.is_cuda:
+        if not self.target.is_cuda or self.codegen != "inductor" or self.options.mode == "max-autotune-no-cudagraphs":
             return False
         if self.options.mode in CUDA_GRAPH_MODES:
             return True

@@ -100,8 +100,9 @@ class PassContext:
     _inputs: list[Any] | None = dataclasses.field(default=None, repr=False)
     # the user asked for this pass (its key, its group's, or ``pipeline``); False: it runs by its default
     explicit: bool = False
-    # the compiled graph is sure to replay from a CUDA graph: a mode that captures, or the cudagraphs pass
-    # asked for with decide="always" (under "auto" it decides later, on the rewritten graph)
+    # CUDA graphs are asked for: a mode that captures, or the cudagraphs pass with decide="always", under Inductor
+    # (under "auto" it decides later, on the rewritten graph); whether this graph can be captured (its inputs'
+    # devices, dynamic sizes, host syncs) is passes/cudagraphs.py's _refusal
     cuda_graphs: bool = False
 
     def count(self, stat: str = "matches", n: int = 1) -> None:

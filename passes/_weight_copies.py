@@ -5,7 +5,7 @@ measured with).
 
 A copy is made in place again, so graphs and CUDA graphs keep reading the same tensors. Each pass keeps a table
 parameter -> {key: copy}, weak both ways (a copy lives as long as a graph reads it); the check before each call
-is ``_fp8_static.refresh``, which asks ``stale`` and ``refresh`` of each copy.
+is ``refresh`` below, which asks ``stale`` and ``refresh`` of each copy.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 class WeightCopy:
     """``param`` (``param.t()`` where the layer stores the weight [K, N]) in another form: ``parts``, made by the
-    subclass's ``make`` from the weight [N, K]."""
+    subclass's ``make`` from the weight [N, K]. ``key``: its key in its pass's table (``copy_in`` sets it)."""
+
+    key = None
 
     def __init__(self, param: torch.Tensor, transposed: bool):
         self.transposed, self.dtype, self.device = transposed, param.dtype, param.device
@@ -72,9 +74,25 @@ def copy_in(table: WeakIdKeyDictionary, param: torch.Tensor, key, make) -> Weigh
     copy = mine.get(key)
     if copy is None or not copy.fits(param):
         copy = mine[key] = make()
+        copy.key = key
     elif copy.stale(param):
         copy.refresh(param)
     return copy
+
+
+def refresh(table: WeakIdKeyDictionary, copies, args) -> None:
+    """Before a call: make again each copy whose argument (by position) is not what it was made from. A
+    parameter replaced by another object (``layer.weight = nn.Parameter(...)``) takes the copy over in the table,
+    so that ``refresh_all`` finds it under the parameter the module now holds."""
+    for index, copy in copies:
+        param = args[index]
+        if copy.stale(param):
+            if copy.made_from[0]() is not param and copy.key is not None:
+                mine = table.get(param)
+                if mine is None:
+                    mine = table[param] = weakref.WeakValueDictionary()
+                mine[copy.key] = copy
+            copy.refresh(param)
 
 
 def refresh_all(table: WeakIdKeyDictionary, module: torch.nn.Module) -> int:

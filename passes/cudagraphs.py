@@ -232,7 +232,8 @@ def _host_ms(gm: fx.GraphModule, cal) -> tuple[float, int, float] | None:
         if node.op not in ("call_function", "call_method"):
             continue
         name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        ours = getattr(node.target, "__module__", "").startswith("kpt_compiler") and node.target is not operator.getitem
+        ours = (getattr(node.target, "__module__", "").startswith("kpt_compiler") and node.target is not operator.getitem
+                or getattr(node.target, "namespace", None) == "kpt")  # torch.ops.kpt.*: our custom ops
         if ir.kind(node) in _HEAVY or ours or node.target is torch.nn.functional.embedding or (
                 name.endswith("_") and not name.startswith("_") and name != "requires_grad_"):
             kernels += 1

@@ -46,7 +46,7 @@ from kpt_compiler import torch_ir as ir
 from kpt_compiler.cost_model import Candidate, CostModel
 from kpt_compiler.registry import PassContext, graph_pass
 
-from . import _fp8_static, _weight_copies
+from . import _weight_copies
 from . import _symbolic_masks as symbolic_masks
 from ._fusion_common import needs_grad
 from ._fp4_release import Fp4WeightTensor
@@ -194,7 +194,7 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
     if not copies:
         return ctx.stats.get("released_weights", 0) > 0
     ctx.count("static_weights", len(copies))
-    ctx.before_each_call(lambda args: _fp8_static.refresh(copies, args))
+    ctx.before_each_call(lambda args: _weight_copies.refresh(_TABLE, copies, args))
     ctx.note(f"{len(copies)} weights in {fmt.name}: {saved / 2**20:.1f} MiB read per call instead of "
              f"{kept / 2**20:.1f} MiB ({kept / max(saved, 1):.1f}x less); the module keeps its own copies "
              "(kpt_compiler.release_weights frees them)")

@@ -24,8 +24,8 @@ pytorch/pytorch#111339), so each rewrite asks the cost model (``decide``): under
 table ``sparse24_linear`` (benchmarks/calibrate.py); a card without one declines and says that "measure" would
 time it; "always" takes every eligible layer. Under "auto" it takes layers only in graphs sure to replay from a
 CUDA graph (``mode="reduce-overhead"``, or ``cudagraphs={"decide": "always"}``): torch's cuSPARSELt call costs
-the host about 0.5 ms to issue (a dense GEMM's: 0.02 ms), which outside a captured graph made BERT and ViT 3-7x
-slower on the H100. Every declined layer is a near miss with its figures. The lossy
+the host about 0.5 ms to issue (a dense GEMM's: 0.02 ms), which outside a captured graph made BERT and ViT 2.6x
+and 7.1x slower than Inductor on the H100. Every declined layer is a near miss with its figures. The lossy
 guard measures each layer's own output against the dense layer's on the example inputs (SQNR, dB) and backs out
 a layer under ``error_bound_db``.
 
@@ -38,6 +38,7 @@ it is an error that says so.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Literal
 
 import torch
@@ -48,7 +49,7 @@ from kpt_compiler import torch_ir as ir
 from kpt_compiler.cost_model import Candidate, CostModel
 from kpt_compiler.registry import PassContext, graph_pass
 
-from . import _fp8_static, _sparse24, _weight_copies
+from . import _sparse24, _weight_copies
 from . import _symbolic_masks as symbolic_masks
 from ._fusion_common import needs_grad
 from ._linear_layers import measured_ms, module_path, not_plain, operands
@@ -105,7 +106,8 @@ def _supports(target, options) -> str | None:
                 f"only, and this graph runs on {target.device}; kernel='dense' runs the pruned weights as dense "
                 "matrices here (to see the accuracy; no faster)")
     if not target.has_sparse_2_4:
-        return f"{target.card} has no sparse tensor cores (2:4 needs sm_80 or later)"
+        return (f"{target.card} has no sparse tensor cores (2:4 needs sm_80 or later); kernel='dense' runs the "
+                "pruned weights as dense matrices (no faster)")
     if options.kernel == "cusparselt" and _kernel(Sparse24Options()) != "cusparselt":
         return "this torch was built without cuSPARSELt (torch.backends.cusparselt); kernel='cutlass' runs"
     if torch.cuda.is_available():  # the card is this process's: try the kernel once
@@ -124,13 +126,19 @@ _TABLE = _weight_copies.new_table()
 class Sparse24Copy(_weight_copies.WeightCopy):
     """A parameter's weight [N, K] pruned to 2:4 (where it was not already) and compressed for ``kernel``."""
 
-    def __init__(self, param: torch.Tensor, kernel: str, transposed: bool):
-        self.kernel = kernel
+    def __init__(self, param: torch.Tensor, kernel: str, transposed: bool, prune: bool):
+        self.kernel, self.prune = kernel, prune
         super().__init__(param, transposed)
 
     def make(self, w: torch.Tensor) -> tuple:
         from kpt_compiler.kernels import sparse24_linear as kernel
 
+        if not self.prune and hasattr(self, "parts") and not _sparse24.is_2_4(w):
+            # a weight taken exactly (prune=False) written to since: still 2:4 only if the writes kept the mask
+            warnings.warn(f"sparsity-2-4: a {w.shape[0]}x{w.shape[1]} weight compiled with prune=False is no "
+                          "longer 2:4 after a write; it was pruned by magnitude to keep running (lossy, not "
+                          "measured by the guard). Keep the mask while training (kpt_compiler.prune_2_4, "
+                          "keep_mask=True) or compile again", RuntimeWarning, stacklevel=2)
         c = kernel.compress(_sparse24.prune_2_4(w), self.kernel)
         return c.packed, c.meta
 
@@ -140,8 +148,9 @@ class Sparse24Copy(_weight_copies.WeightCopy):
         return kernel.Sparse24Weight(self.kernel, self.shape, *self.parts)
 
 
-def copy_for(param: torch.Tensor, kernel: str, transposed: bool) -> Sparse24Copy:
-    return _weight_copies.copy_in(_TABLE, param, (kernel, transposed), lambda: Sparse24Copy(param, kernel, transposed))
+def copy_for(param: torch.Tensor, kernel: str, transposed: bool, prune: bool) -> Sparse24Copy:
+    return _weight_copies.copy_in(_TABLE, param, (kernel, transposed, prune),
+                                  lambda: Sparse24Copy(param, kernel, transposed, prune))
 
 
 def refresh_weights(module: torch.nn.Module) -> int:
@@ -161,6 +170,7 @@ def sparsity_2_4(gm: fx.GraphModule, ctx: PassContext) -> bool:
                  "kpt_compiler.prune_2_4 and fine-tune, then compile for inference)")
         return False
     backend = _kernel(ctx.options)
+    captured = _captured(gm, ctx)
     copies = []
     for node in list(gm.graph.nodes):
         if ir.kind(node) not in ("linear", "addmm"):
@@ -196,9 +206,9 @@ def sparsity_2_4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         M = xv.numel() // K
         if isinstance(M, torch.SymInt):  # a dynamic batch: decided (and timed) at the size traced
             M = M.node.hint if M.node.hint is not None else 1
-        if not _decide(ctx, label, M, K, N, xv.dtype, xv.device, backend) or not ctx.propose(node.name):
+        if not _decide(ctx, label, M, K, N, xv.dtype, xv.device, backend, captured) or not ctx.propose(node.name):
             continue
-        copy = copy_for(param, backend, transposed)
+        copy = copy_for(param, backend, transposed, ctx.options.prune)
         weight = copy.weight()
         if xv.device.type == "cuda":
             weight.alg_id = kernel.search_alg(weight, M, xv.dtype)
@@ -223,7 +233,7 @@ def sparsity_2_4(gm: fx.GraphModule, ctx: PassContext) -> bool:
                  f"{param.nbytes / 2**20:.2f} MiB)")
     if not copies:
         return False
-    ctx.before_each_call(lambda args: _fp8_static.refresh(copies, args))
+    ctx.before_each_call(lambda args: _weight_copies.refresh(_TABLE, copies, args))
     return True
 
 
@@ -263,7 +273,18 @@ def _parameter(w: fx.Node, ctx: PassContext) -> torch.Tensor | None:
     return real if isinstance(real, torch.nn.Parameter) else None
 
 
-def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device, backend: str) -> bool:
+def _captured(gm: fx.GraphModule, ctx: PassContext) -> str | None:
+    """None where the graph is sure to replay from a CUDA graph (asked for, and nothing in it that the cudagraphs
+    pass refuses: inputs on the CPU, dynamic sizes, host syncs), else why not."""
+    from . import cudagraphs
+
+    if not ctx.cuda_graphs:
+        return "no CUDA graphs asked for"
+    return cudagraphs._refusal(gm, dataclasses.replace(ctx, mode="default", notes=[]))
+
+
+def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device, backend: str,
+            captured: str | None = None) -> bool:
     """The cost model's answer for one layer (table ``sparse24_linear``), or timed under "measure"; the dense
     reference is taken whenever it is eligible (it is asked for to see accuracy, not speed)."""
     from kpt_compiler.kernels import sparse24_linear as kernel
@@ -271,8 +292,9 @@ def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device,
     how = ctx.decide
     if how == "always" or backend == "dense":
         return True
-    if how == "auto" and not ctx.cuda_graphs:
-        ctx.near_miss(f"{label}: sparse24_linear {M}x{K}x{N} not taken without CUDA graphs: torch's cuSPARSELt call "
+    if how == "auto" and captured is not None:
+        ctx.near_miss(f"{label}: sparse24_linear {M}x{K}x{N} not taken without CUDA graphs ({captured}): torch's "
+                      "cuSPARSELt call "
                       f"costs the host {HOST_MS} ms to issue against a dense GEMM's {DENSE_HOST_MS} ms ({HOST_SOURCE}), "
                       "so outside a captured graph it is bound by the host; mode='reduce-overhead' or "
                       "cudagraphs={'decide': 'always'} captures the graph, decide='measure' times this one")

@@ -104,6 +104,24 @@ def test_the_fp4_op_counts_a_gemms_flops():
     assert counter.get_total_flops() == 2 * 15 * 64 * 96
 
 
+def test_the_host_estimate_counts_each_of_our_custom_ops_as_a_kernel():
+    import torch.fx as fx
+
+    import importlib
+
+    from kpt_compiler.cost_model import CostModel
+
+    importlib.import_module("kpt_compiler.kernels.sparse24_linear")  # defines kpt::sparse24_linear
+
+    cal = CostModel(H100).calibration
+    if cal is None:
+        pytest.skip("no H100 calibration committed")
+    graph = fx.Graph()
+    x, p = graph.placeholder("x"), graph.placeholder("p")
+    graph.output(graph.call_function(torch.ops.kpt.sparse24_linear.default, (x, p, None, 64, 128, "dense", 0)))
+    assert cg._host_ms(fx.GraphModule({}, graph), cal)[1] == 1
+
+
 def test_auto_captures_a_small_graph_and_says_why():
     gm = _graph(Mlp(), torch.randn(4, 8, 256))
     ctx = _ctx()

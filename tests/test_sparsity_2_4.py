@@ -63,8 +63,9 @@ def _record():
 def test_inference_linears_are_pruned_and_give_the_dense_masked_references_output():
     model = _model()
     x = torch.randn(4, 7, 256, dtype=torch.bfloat16)
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="their errors add up"):  # 4.6 dB at the output
         out = _compile(model)(x)
+    with torch.no_grad():
         ref = _masked(model)(x)
         dense = model.float()(x.float())
     rec = _record()
@@ -155,6 +156,32 @@ def test_the_copy_follows_its_parameter_and_refresh_weights_covers_what_the_chec
         assert _same(compiled(x), _masked(model)(x))
 
 
+def test_a_weight_taken_exactly_that_stops_being_2_4_is_pruned_with_a_warning():
+    model = _model()
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        kpt_compiler.prune_2_4(model)
+        compiled = _compile(model, {**DENSE, "prune": False})
+        assert _same(compiled(x), model(x))
+        model.up.weight.add_(0.01)  # every position written: the pattern is gone
+        with pytest.warns(RuntimeWarning, match="no longer 2:4 after a write"):
+            out = compiled(x)
+    assert _same(out, _masked(model)(x))
+
+
+def test_a_replaced_parameter_takes_its_copy_over_for_refresh_weights():
+    model = _model()
+    compiled = _compile(model)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        compiled(x)
+        model.down.weight = nn.Parameter(-model.down.weight.detach().clone())  # a new object, same shape
+        assert _same(compiled(x), _masked(model)(x))  # the check before the call saw it
+        model.down.weight.data.mul_(-1)  # then a write the check cannot see
+        assert kpt_compiler.refresh_weights(model) == 2
+        assert _same(compiled(x), _masked(model)(x))
+
+
 def test_asked_for_where_the_sparse_kernels_cannot_run_is_an_error(monkeypatch):
     x = torch.randn(2, 256, dtype=torch.bfloat16)
     with pytest.raises(OptionError, match="CUDA only.*kernel='dense'"):
@@ -204,8 +231,27 @@ def test_auto_takes_the_h100s_large_layers_only_where_a_cuda_graph_hides_the_hos
     assert pass_module._decide(graphs, "up", 8192, 4096, 14336, torch.bfloat16, "cuda", "cusparselt"), graphs.notes
     assert not pass_module._decide(graphs, "o", 16, 4096, 4096, torch.bfloat16, "cuda", "cusparselt")  # 0.5x
     plain = _ctx(h100, cuda_graphs=False)
-    assert not pass_module._decide(plain, "up", 8192, 4096, 14336, torch.bfloat16, "cuda", "cusparselt")
-    assert any("without CUDA graphs" in n and "reduce-overhead" in n for n in plain.notes), plain.notes
+    assert not pass_module._decide(plain, "up", 8192, 4096, 14336, torch.bfloat16, "cuda", "cusparselt",
+                                   "no CUDA graphs asked for")
+    assert any("without CUDA graphs (no CUDA graphs asked for)" in n and "reduce-overhead" in n
+               for n in plain.notes), plain.notes
+
+
+def test_a_graph_the_cudagraphs_pass_would_refuse_is_not_sure_to_be_captured():
+    from kpt_compiler.passes import sparsity_2_4 as pass_module
+
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(_model(), backend=capture)(torch.randn(2, 256, dtype=torch.bfloat16))
+    h100 = Target("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
+    assert pass_module._captured(seen[0], _ctx(h100, cuda_graphs=False)) == "no CUDA graphs asked for"
+    why = pass_module._captured(seen[0], _ctx(h100, cuda_graphs=True))
+    assert why and "is on cpu, not on the GPU" in why, why  # these inputs live on the CPU
 
 
 @pytest.mark.parametrize("options, mode, expected", [
