@@ -71,8 +71,9 @@ def test_inference_linears_are_pruned_and_give_the_dense_masked_references_outpu
     rec = _record()
     assert rec.status == "applied" and rec.matches == 2 and rec.stats.get("exact", 0) == 0, rec.notes
     assert _same(out, ref)  # the same pruned weights
-    # pruning random Gaussian weights keeps 8.8 dB of a layer's output; the guard's figure per layer
-    assert set(rec.layer_db) == {"linear", "linear_1"} and all(7 < v < 11 for v in rec.layer_db.values()), rec
+    # pruning keeps about 7 dB of a layer's output with nn.Linear's uniform init (8.8 with Gaussian weights);
+    # the guard's figure per layer (6.9-7.2 on torch 2.9 and 2.13)
+    assert set(rec.layer_db) == {"linear", "linear_1"} and all(6 < v < 9 for v in rec.layer_db.values()), rec
     assert 3 < sqnr_db(out.float(), dense) < 11
     assert sum("pruned to 2:4 by magnitude, 50.0% zeros" in n for n in rec.notes) == 2, rec.notes
     ops = kpt_compiler.last_report().stages["pre_aot"].ops_after
