@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from . import graph_utils
+from . import distributed, graph_utils
 from .cost_model import CostModel
 from .errors import OptionError, PassFailed, PassSkipped
 from .lossy_guard import LossyGuard
@@ -77,7 +77,8 @@ class PassManager:
     # -------------------------------------------------------------- identity, for Inductor's caches
     def fingerprint(self) -> str:
         """Identity of what the pipeline does: the source of our package (calibration files included) and of
-        each pass, the options and the target.
+        each pass, the options, the target and the rank (under torch.distributed, a rank's graph may differ:
+        its shard, its split).
 
         Inductor puts it in its FX-graph and AOTAutograd cache keys (CustomGraphPass.uuid), so a changed
         option, pass or calibration never returns an artifact compiled by another pipeline.
@@ -91,7 +92,8 @@ class PassManager:
             opts = {k: v for k, v in self.options.to_dict().items() if k != "dump_dir"}
             opts["KPT_DISABLE"] = list(self.options.env_disable)  # not an option, but it changes what runs
             self._fingerprint = hashlib.sha256(
-                (_source_hash(files) + repr(sorted(opts.items(), key=str)) + repr(self.target.to_dict())).encode()
+                (_source_hash(files) + repr(sorted(opts.items(), key=str)) + repr(self.target.to_dict())
+                 + f"rank={distributed.rank()}").encode()
             ).hexdigest()
         return self._fingerprint
 

@@ -44,3 +44,76 @@ def _check_cache_keys():
     assert "forward" not in report.stages
     assert any("came from Inductor's cache" in note for note in report.notes)
     assert "came from Inductor's cache" in report.table()
+
+
+_WARM = """
+import json, sys, time
+import torch
+from torch._dynamo.utils import counters
+import kpt_compiler
+from kpt_compiler.models.gpt import GPT, GPTConfig
+
+torch.manual_seed(0)
+model = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16, vocab_size=64)).eval()
+start = time.perf_counter()
+with torch.no_grad():
+    torch.compile(model, backend="kernelpytorch", options=json.loads(sys.argv[1]))(torch.randint(0, 64, (1, 16)))
+report = kpt_compiler.last_report()
+print(json.dumps({"seconds": time.perf_counter() - start, "hit": counters["inductor"]["fxgraph_cache_hit"],
+                  "fired": report.fired(), "notes": report.notes}))
+"""
+
+
+@pytest.mark.inductor
+def test_a_new_process_takes_the_graph_from_the_cache_and_a_changed_option_misses(tmp_path):
+    """Warm restarts (issue 20): the same model and options in a new process come from Inductor's cache, with
+    our pre_aot passes still applied and the report saying where the code came from; other options miss."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "warm.py"
+    script.write_text(_WARM)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+
+    def run(options):
+        out = subprocess.run([sys.executable, str(script), json.dumps(options)], env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    cold, warm = run({}), run({})
+    assert cold["hit"] == 0 and warm["hit"] >= 1, (cold, warm)
+    assert "attention" in cold["fired"] and warm["fired"] == cold["fired"], (cold, warm)
+    assert any("came from Inductor's cache" in n for n in warm["notes"]), warm["notes"]
+    other = run({"cudagraphs": False})  # another option, the same graph: must not get the first one's code
+    assert other["hit"] == 0, other
+
+
+def test_a_changed_pass_source_changes_the_fingerprint(tmp_path, monkeypatch):
+    """Inductor keys its caches on PassManager.fingerprint (CustomGraphPass.uuid): an edited pass must miss."""
+    import importlib.util
+
+    from kpt_compiler import parse_options, unregister_pass
+    from kpt_compiler.pass_manager import PassManager
+    from kpt_compiler.report import GraphReport
+    from kpt_compiler.target import Target
+
+    source = tmp_path / "my_pass.py"
+    body = ('from kpt_compiler import graph_pass\n\n@graph_pass("test-edited-pass", summary="nothing", stage="pre_aot")\n'
+            'def edited(gm, ctx):\n    return False{}\n')
+    source.write_text(body.format(""))
+    spec = importlib.util.spec_from_file_location("my_pass", source)
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    try:
+        def fp():
+            rep = GraphReport(index=0, compile_id="-", codegen="inductor", target={}, options={})
+            return PassManager(parse_options(None, {}), Target("cpu", "cpu"), rep).fingerprint()
+
+        before = fp()
+        assert fp() == before
+        source.write_text(body.format("  # edited"))
+        assert fp() != before
+    finally:
+        unregister_pass("test-edited-pass")

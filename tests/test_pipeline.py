@@ -160,6 +160,17 @@ def test_fingerprint_depends_on_options():
 
     assert fp({}) == fp({})
     assert fp({}) != fp({"test_relu_to_clamp": True})
+    # the rank: a rank's graph may differ from another's (its shard, its piece of a DDP split)
+    from kpt_compiler import distributed
+
+    real = distributed.rank
+    try:
+        distributed.rank = lambda: 1
+        one = fp({})
+        distributed.rank = lambda: 0
+        assert fp({}) != one
+    finally:
+        distributed.rank = real
     # KPT_DISABLE is no option, but it changes what runs: a cached artifact must not outlive it
     with_env = fp({"test_scale_outputs": {"factor": 3}})
     import os
