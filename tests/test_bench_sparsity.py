@@ -37,10 +37,10 @@ def test_a_kernel_that_raises_is_a_cell_that_says_unsupported(tmp_path, monkeypa
     assert bench_sparsity.main(["--device", "cpu", "--shapes", "32x64", "--ms", "3", "--rep-ms", "1",
                                 "--out", str(tmp_path)]) == 0
     row, = json.loads((tmp_path / "bench_sparsity.json").read_text())["rows"]
-    assert set(row["unsupported"]) == {"fp8 dense", "fp8 + 2:4"} and set(row["ms"]) == {
+    assert set(row["unsupported"]) == {"fp8 dense", "fp8 + 2:4", "fp8 + 2:4 scaled after"} and set(row["ms"]) == {
         "dense bf16", "2:4 cuSPARSELt", "2:4 CUTLASS", "2:4 kpt"}
     assert row["unsupported"]["fp8 dense"].startswith("RuntimeError: fp8 is not supported")
     assert len(row["unsupported"]["fp8 dense"]) == 200 and "fp8 + 2:4" not in row["rel_err"]
     line = capsys.readouterr().out.strip().splitlines()[-1]  # the table is printed last
     assert line.startswith("| tiny | 32x64 | 3 |")
-    assert line.count("unsupported") == 2
+    assert line.count("unsupported") == 3
