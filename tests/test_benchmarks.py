@@ -361,3 +361,16 @@ def test_profile_rounds_table_pairs_each_round_with_inductor(monkeypatch):
     kpt = next(line for line in table.splitlines() if line.startswith("| kpt |"))
     assert "1.25x [0.98, 1.25]" in kpt  # median of 0.8, 1.25, 1.25; 20th percentile 0.8 + 0.4 * 0.45
     assert kpt.split("|")[3].strip() == "1.65"
+
+
+@pytest.mark.inductor
+def test_bench_warm_compiles_cold_then_warm_from_one_cache(tmp_path):
+    """The warm-restart benchmark on the CPU's tiny GPT: the second process reads the first one's Inductor cache
+    (an FX-graph hit), our attention pass fires in both, and the warm report says where the code came from."""
+    from benchmarks import bench_warm
+
+    assert bench_warm.main(["--device", "cpu", "--models", "tiny-gpt", "--modes", "kpt", "--out", str(tmp_path)]) == 0
+    row, = json.loads((tmp_path / "bench_warm.json").read_text())["rows"]
+    assert row["warm_fx_hits"] >= 1 and row["cold_fired"] == row["warm_fired"] and "attention" in row["warm_fired"]
+    assert row["warm_says_cache"] and row["cold_s"] > 0 and row["warm_s"] > 0
+    assert (tmp_path / "bench_warm.md").read_text().count("| tiny-gpt |") == 1

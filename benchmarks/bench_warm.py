@@ -1,0 +1,134 @@
+"""Cold and warm compiles (issue 20's warm restarts): each zoo case compiled in a new process twice over one fresh
+Inductor cache folder, the second time as a restarted job would.
+
+    python -m benchmarks.bench_warm [--models a,b] [--modes kpt,inductor] [--out DIR] [--device cuda|cpu]
+
+For each quick inference case of the zoo (benchmarks/zoo.py; --models picks entries) and each mode, a child
+process (``--child``) builds the model (bf16 on CUDA, fp32 on the CPU), compiles it under ``torch.no_grad`` and
+times the first call, which includes the compile. It runs twice with ``TORCHINDUCTOR_CACHE_DIR`` set to one
+new folder per case and mode: "cold" fills the cache, "warm" reads it. Columns: the two times, their ratio, the
+FX-graph cache hits of the warm run, and for kpt the passes that fired in each run (our pre_aot passes run
+again on the warm compile, and the report says where the code came from). Inductor's FX-graph and AOTAutograd
+caches key on our pipeline (kpt_compiler/pass_manager.py's fingerprint). The issue asks for warm at least 3x
+faster than cold. ``--out DIR`` writes bench_warm.json and bench_warm.md (card, date, commit, command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from kpt_compiler.bench import git_commit
+
+from .bench_rms_norm import write_out
+from .zoo import cases
+
+MODES = ("kpt", "inductor")
+
+
+def child(model_name: str, mode: str, device: str) -> dict:
+    """One compile of one case in this process: the first call's seconds and what the caches and passes did."""
+    from torch._dynamo.utils import counters
+
+    import kpt_compiler
+
+    from .measure import prepare
+
+    (entry, case), = [(e, c) for e, c in cases("quick", device, [model_name]) if c.task == "inference"][:1]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, make_inputs = prepare(entry, device, dtype)
+    model.eval()
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(case.batch, case.seq, device))
+    backend = "kernelpytorch" if mode == "kpt" else "inductor"
+    compiled = torch.compile(model, backend=backend)
+    start = time.perf_counter()
+    with torch.no_grad():
+        compiled(*inputs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    row = {"model": entry.name, "shape": entry.shape(case), "mode": mode, "seconds": seconds,
+           "fx_hits": counters["inductor"]["fxgraph_cache_hit"], "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
+           "aot_hits": counters["aot_autograd"]["autograd_cache_hit"]}
+    if mode == "kpt":
+        reports = kpt_compiler.reports()
+        row["fired"] = sorted({p for r in reports for p in r.fired()})
+        row["from_cache"] = any("came from Inductor's cache" in n for r in reports for n in r.notes)
+    return row
+
+
+def run_case(model_name: str, mode: str, device: str) -> dict:
+    """Cold then warm, each a new process, over one new cache folder."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1"}
+        runs = []
+        for _ in ("cold", "warm"):
+            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_warm", "--child", model_name, "--modes", mode,
+                                  "--device", device], env=env, capture_output=True, text=True, timeout=1800)
+            if out.returncode:
+                return {"model": model_name, "mode": mode, "error": out.stderr.strip().splitlines()[-1][:300]}
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    row = {**{k: cold[k] for k in ("model", "shape", "mode")}, "cold_s": cold["seconds"], "warm_s": warm["seconds"],
+           "speedup": cold["seconds"] / warm["seconds"], "warm_fx_hits": warm["fx_hits"],
+           "warm_fx_misses": warm["fx_misses"], "warm_aot_hits": warm["aot_hits"]}
+    if mode == "kpt":
+        row.update(cold_fired=cold["fired"], warm_fired=warm["fired"], warm_says_cache=warm["from_cache"])
+    print(f"{row['model']} {mode}: cold {row['cold_s']:.1f} s, warm {row['warm_s']:.1f} s "
+          f"({row['speedup']:.1f}x), warm FX-graph hits {row['warm_fx_hits']}", flush=True)
+    return row
+
+
+def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> str:
+    lines = [f"# Cold and warm compiles on {card}", "",
+             f"- date: {datetime.date.today()}; commit: {commit}; torch {torch.__version__}",
+             f"- command: `{command}`",
+             "- seconds: the first call (compile included) in a new process; warm: the same again over the cold "
+             "run's Inductor cache", "",
+             "| model | shape | mode | cold s | warm s | cold / warm | warm FX-graph hits, misses | passes fired cold / warm "
+             "| warm report says cache |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | - | {r['mode']} | error: {r['error']} | | | | | |")
+            continue
+        fired = f"{', '.join(r['cold_fired'])} / {', '.join(r['warm_fired'])}" if "cold_fired" in r else "-"
+        says = ("yes" if r["warm_says_cache"] else "no") if "warm_says_cache" in r else "-"
+        lines.append(f"| {r['model']} | {r['shape']} | {r['mode']} | {r['cold_s']:.1f} | {r['warm_s']:.1f} | "
+                     f"{r['speedup']:.1f}x | {r['warm_fx_hits']}, {r['warm_fx_misses']} | {fired} | {says} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=None, help="comma-separated zoo entries (default: every quick inference one)")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="write bench_warm.json and bench_warm.md here")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if args.child:
+        print(json.dumps(child(args.child, modes[0], args.device)))
+        return 0
+    names = args.models.split(",") if args.models else None
+    models = list(dict.fromkeys(e.name for e, c in cases("quick", args.device, names) if c.task == "inference"))
+    rows = [run_case(name, mode, args.device) for name in models for mode in modes]
+    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    command = ("python -m benchmarks.bench_warm " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    table = markdown(rows, command, card, git_commit())
+    write_out(args.out, "bench_warm", {"card": card, "torch": torch.__version__, "date": str(datetime.date.today()),
+                                       "commit": git_commit(), "command": command}, rows, table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
