@@ -130,6 +130,12 @@ def _refusal(gm: fx.GraphModule, ctx: PassContext) -> str | None:
         return f"mode={ctx.mode!r} captures every graph already"
     if ctx.mode == "max-autotune-no-cudagraphs":
         return "mode='max-autotune-no-cudagraphs' asks for none"
+    return graph_refusal(gm)
+
+
+def graph_refusal(gm: fx.GraphModule) -> str | None:
+    """What in the graph itself forbids a capture (dynamic sizes no bucket fixes, a host sync, an op tagged
+    cudagraph_unsafe, an input off the GPU), or None; the sparsity-2-4 pass asks it too."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     plan = _bucketing_plan(gm)
     bucketed = frozenset(plan.symbols) if plan is not None else frozenset()

@@ -43,14 +43,12 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from kpt_compiler import torch_ir as ir
-from kpt_compiler.cost_model import Candidate, CostModel
 from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _weight_copies
-from . import _symbolic_masks as symbolic_masks
-from ._fusion_common import needs_grad
 from ._fp4_release import Fp4WeightTensor
-from ._linear_layers import measured_ms, module_path, not_plain, operands
+from ._linear_layers import (check_options, decide_layer, frozen_parameter, module_path, not_16bit_inference,
+                             operands, traced_rows)
 
 DEFAULT_BOUND_DB = 15.0  # NVFP4 keeps about 20 dB of a Gaussian weight, MXFP4 about 19 (tests/test_fp4_format.py)
 
@@ -70,12 +68,7 @@ class Fp4Options:
     decide: Literal["auto", "measure", "always"] = "auto"
 
     def __post_init__(self):
-        if self.min_features < 32:
-            raise ValueError(f"min_features must be at least 32 (one MXFP4 block), got {self.min_features}")
-        if isinstance(self.skip, str) or not all(isinstance(p, str) for p in self.skip):
-            raise ValueError(f"skip must be a list of module-path patterns (strings), got {self.skip!r}")
-        if not self.error_bound_db > 0:
-            raise ValueError(f"error_bound_db must be positive (dB of SQNR), got {self.error_bound_db}")
+        check_options(self, 32, " (one MXFP4 block)")
 
 
 def _supports(target, options) -> str | None:
@@ -140,28 +133,17 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
             continue
         path = module_path(node)
         label = f"{node.name} ({path})" if path else node.name
-        why = _ineligible(node, ctx, fmt)
+        why, shape = not_16bit_inference(node, ctx, "fp4 weights")
+        if why is None and shape[1] % fmt.block:
+            why = f"K={shape[1]} input features are not a multiple of {fmt.name}'s block of {fmt.block}"
+        if why is None:
+            param, index, why = frozen_parameter(operands(node)[1], ctx, (torch.nn.Parameter, Fp4WeightTensor))
         if why:
             ctx.near_miss(f"{label}: {why}")
             continue
         x, w, b, transposed = operands(node)
-        param, index = _parameter(w, ctx)
-        if param is None:
-            ctx.near_miss(f"{label}: its weight is not a parameter of the module (fp4 quantizes parameters once, "
-                          "at compile time)")
-            continue
-        if symbolic_masks.mutated(w):
-            ctx.near_miss(f"{label}: the graph writes into its weight (a copy made before the call would lag it)")
-            continue
-        if param.is_inference():
-            ctx.near_miss(f"{label}: its weight is an inference tensor (made under torch.inference_mode), whose "
-                          "changes cannot be seen; build the model outside inference_mode and compile under no_grad")
-            continue
         xv = ir.example_value(x)
-        N, K = (param.shape[::-1] if transposed else param.shape)
-        M = xv.numel() // K
-        if isinstance(M, torch.SymInt):  # a dynamic batch: decided (and timed) at the size traced
-            M = M.node.hint if M.node.hint is not None else 1
+        (N, K), M = shape, traced_rows(x, shape[1])
         released = isinstance(param, Fp4WeightTensor)  # kpt_compiler.release_weights: fp4 is all there is
         if not released and not _decide(ctx, label, M, K, N, xv.dtype, xv.device, fmt) or not ctx.propose(node.name):
             continue
@@ -215,60 +197,13 @@ def count_flops() -> None:
         return 2 * math.prod(x_shape) * packed_shape[0]
 
 
-def _ineligible(node: fx.Node, ctx: PassContext, fmt) -> str | None:
-    if needs_grad(node):
-        return "a gradient flows through it (fp4 weights are for inference; fp8 trains)"
-    why = not_plain(node, ctx.options.skip)
-    if why:
-        return why
-    x, w, _b, transposed = operands(node)
-    wv, xv = ir.example_value(w), ir.example_value(x)
-    if xv.dtype not in (torch.bfloat16, torch.float16) or wv.dtype != xv.dtype:
-        return (f"a {str(xv.dtype).replace('torch.', '')} layer: fp4 weights are for bfloat16 and float16 models "
-                "(cast the model, or leave this layer as it is)")
-    N, K = wv.shape[::-1] if transposed else wv.shape
-    if not all(isinstance(s, int) for s in (N, K)):
-        return "dynamic weight sizes"
-    if K % fmt.block:
-        return f"K={K} input features are not a multiple of {fmt.name}'s block of {fmt.block}"
-    if min(K, N) < ctx.options.min_features:
-        return f"{K}x{N} is under min_features={ctx.options.min_features}"
-    return None
-
-
-def _parameter(w: fx.Node, ctx: PassContext) -> tuple[torch.Tensor | None, int | None]:
-    """(the module parameter behind ``w``, its position among the graph's inputs), or (None, None)."""
-    if not isinstance(w, fx.Node) or w.op != "placeholder":
-        return None, None
-    index = [n for n in w.graph.nodes if n.op == "placeholder"].index(w)
-    try:
-        real = ctx.example_inputs[index]
-    except (RuntimeError, IndexError):  # no example inputs (a later stage), or not Dynamo's calling convention
-        return None, None
-    return (real, index) if isinstance(real, (torch.nn.Parameter, Fp4WeightTensor)) else (None, None)
-
-
 def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device, fmt) -> bool:
     """The cost model's answer for one layer (table ``fp4_linear_<format>``), or timed under "measure"."""
     from kpt_compiler.kernels import _fp4_format
     from kpt_compiler.kernels import fp4_linear as kernel
 
-    how = ctx.decide
-    if how == "always":
-        return True
-    measuring = how == "measure"
-    x = w = q = None
-    if measuring:
-        x = torch.randn(M, K, device=device, dtype=dtype)
-        w = torch.randn(N, K, device=device, dtype=dtype)
+    def ours(x, w):
         q = _fp4_format.quantize(w, fmt)
-    candidate = Candidate(f"fp4_linear_{fmt.name}", M, {"K": K, "N": N}, dtype, kernel, mkn=(M, K, N),
-                          ours=(lambda: kernel.fp4_linear(x, q)) if measuring else None,
-                          baseline_ms=(lambda: measured_ms(lambda: F.linear(x, w))) if measuring else None)
-    d = (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
-    if d.rewrite:
-        ctx.note(f"{label}: fp4_linear_{fmt.name} {M}x{K}x{N} ({d.why})")
-    else:
-        ctx.near_miss(f"{label}: fp4_linear_{fmt.name} not faster here ({d.why})")
-    return d.rewrite
+        return lambda: kernel.fp4_linear(x, q)
 
+    return decide_layer(ctx, label, f"fp4_linear_{fmt.name}", (M, K, N), dtype, device, kernel, ours)

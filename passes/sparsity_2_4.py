@@ -46,13 +46,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from kpt_compiler import torch_ir as ir
-from kpt_compiler.cost_model import Candidate, CostModel
 from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _sparse24, _weight_copies
-from . import _symbolic_masks as symbolic_masks
-from ._fusion_common import needs_grad
-from ._linear_layers import measured_ms, module_path, not_plain, operands
+from ._linear_layers import (check_options, decide_layer, frozen_parameter, module_path, not_16bit_inference,
+                             operands, traced_rows)
 
 # magnitude pruning keeps 8.8 dB of a layer's output with Gaussian weights, about 7 with nn.Linear's uniform init
 # (tests/test_sparsity_2_4.py); a layer under 6 is one whose weights pruning hurts more than usual: backed out
@@ -81,12 +79,7 @@ class Sparse24Options:
     decide: Literal["auto", "measure", "always"] = "auto"
 
     def __post_init__(self):
-        if self.min_features < 16:
-            raise ValueError(f"min_features must be at least 16, got {self.min_features}")
-        if isinstance(self.skip, str) or not all(isinstance(p, str) for p in self.skip):
-            raise ValueError(f"skip must be a list of module-path patterns (strings), got {self.skip!r}")
-        if not self.error_bound_db > 0:
-            raise ValueError(f"error_bound_db must be positive (dB of SQNR), got {self.error_bound_db}")
+        check_options(self, 16)
 
 
 def _kernel(options: Sparse24Options) -> str:
@@ -177,24 +170,16 @@ def sparsity_2_4(gm: fx.GraphModule, ctx: PassContext) -> bool:
             continue
         path = module_path(node)
         label = f"{node.name} ({path})" if path else node.name
-        why = _ineligible(node, ctx, backend)
+        why, shape = not_16bit_inference(node, ctx, "2:4 weights")
+        rows, cols = kernel.WEIGHT_MULTIPLES[backend]
+        if why is None and (shape[0] % rows or shape[1] % cols):
+            why = f"a {shape[0]}x{shape[1]} weight: {backend} needs N a multiple of {rows} and K of {cols}"
+        if why is None:
+            param, index, why = frozen_parameter(operands(node)[1], ctx)
         if why:
             ctx.near_miss(f"{label}: {why}")
             continue
         x, w, b, transposed = operands(node)
-        param = _parameter(w, ctx)
-        if param is None:
-            ctx.near_miss(f"{label}: its weight is not a parameter of the module (2:4 compresses parameters once, "
-                          "at compile time)")
-            continue
-        index = [n for n in gm.graph.nodes if n.op == "placeholder"].index(w)
-        if symbolic_masks.mutated(w):
-            ctx.near_miss(f"{label}: the graph writes into its weight (a copy made before the call would lag it)")
-            continue
-        if param.is_inference():
-            ctx.near_miss(f"{label}: its weight is an inference tensor (made under torch.inference_mode), whose "
-                          "changes cannot be seen; build the model outside inference_mode and compile under no_grad")
-            continue
         dense = param.detach().t() if transposed else param.detach()
         exact = _sparse24.is_2_4(dense)
         if not exact and not ctx.options.prune:
@@ -202,10 +187,7 @@ def sparsity_2_4(gm: fx.GraphModule, ctx: PassContext) -> bool:
                           "it; fine-tuning then recovers what pruning lost)")
             continue
         xv = ir.example_value(x)
-        N, K = dense.shape
-        M = xv.numel() // K
-        if isinstance(M, torch.SymInt):  # a dynamic batch: decided (and timed) at the size traced
-            M = M.node.hint if M.node.hint is not None else 1
+        (N, K), M = shape, traced_rows(x, shape[1])
         if not _decide(ctx, label, M, K, N, xv.dtype, xv.device, backend, captured) or not ctx.propose(node.name):
             continue
         copy = copy_for(param, backend, transposed, ctx.options.prune)
@@ -237,42 +219,6 @@ def sparsity_2_4(gm: fx.GraphModule, ctx: PassContext) -> bool:
     return True
 
 
-def _ineligible(node: fx.Node, ctx: PassContext, backend: str) -> str | None:
-    from kpt_compiler.kernels import sparse24_linear as kernel
-
-    if needs_grad(node):
-        return "a gradient flows through it (2:4 weights here are for inference)"
-    why = not_plain(node, ctx.options.skip)
-    if why:
-        return why
-    x, w, _b, transposed = operands(node)
-    wv, xv = ir.example_value(w), ir.example_value(x)
-    if xv.dtype not in (torch.bfloat16, torch.float16) or wv.dtype != xv.dtype:
-        return (f"a {str(xv.dtype).replace('torch.', '')} layer: the 2:4 kernels here take bfloat16 and float16 "
-                "(cast the model, or leave this layer as it is)")
-    N, K = wv.shape[::-1] if transposed else wv.shape
-    if not all(isinstance(s, int) for s in (N, K)):
-        return "dynamic weight sizes"
-    rows, cols = kernel.WEIGHT_MULTIPLES[backend]
-    if N % rows or K % cols:
-        return f"a {N}x{K} weight: {backend} needs N a multiple of {rows} and K of {cols}"
-    if min(K, N) < ctx.options.min_features:
-        return f"{K}x{N} is under min_features={ctx.options.min_features}"
-    return None
-
-
-def _parameter(w: fx.Node, ctx: PassContext) -> torch.Tensor | None:
-    """The module parameter behind ``w`` (a placeholder), or None."""
-    if not isinstance(w, fx.Node) or w.op != "placeholder":
-        return None
-    index = [n for n in w.graph.nodes if n.op == "placeholder"].index(w)
-    try:
-        real = ctx.example_inputs[index]
-    except (RuntimeError, IndexError):  # no example inputs (a later stage), or not Dynamo's calling convention
-        return None
-    return real if isinstance(real, torch.nn.Parameter) else None
-
-
 def _captured(gm: fx.GraphModule, ctx: PassContext) -> str | None:
     """None where the graph is sure to replay from a CUDA graph (asked for, and nothing in it that the cudagraphs
     pass refuses: inputs on the CPU, dynamic sizes, host syncs), else why not."""
@@ -280,7 +226,7 @@ def _captured(gm: fx.GraphModule, ctx: PassContext) -> str | None:
 
     if not ctx.cuda_graphs:
         return "no CUDA graphs asked for"
-    return cudagraphs._refusal(gm, dataclasses.replace(ctx, mode="default", notes=[]))
+    return cudagraphs.graph_refusal(gm)
 
 
 def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device, backend: str,
@@ -299,19 +245,9 @@ def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device,
                       "so outside a captured graph it is bound by the host; mode='reduce-overhead' or "
                       "cudagraphs={'decide': 'always'} captures the graph, decide='measure' times this one")
         return False
-    measuring = how == "measure"
-    x = w = s = None
-    if measuring:
-        x = torch.randn(M, K, device=device, dtype=dtype)
-        w = torch.randn(N, K, device=device, dtype=dtype)
-        s = kernel.compress(_sparse24.prune_2_4(w), backend)
-    candidate = Candidate("sparse24_linear", M, {"K": K, "N": N}, dtype, kernel, mkn=(M, K, N),
-                          ours=(lambda: kernel.sparse24_linear(x, s)) if measuring else None,
-                          baseline_ms=(lambda: measured_ms(lambda: F.linear(x, w))) if measuring else None)
-    d = (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
-    if d.rewrite:
-        ctx.note(f"{label}: sparse24_linear {M}x{K}x{N} pays ({d.why})")
-    else:
-        ctx.near_miss(f"{label}: sparse24_linear {M}x{K}x{N} not faster here ({d.why})")
-    return d.rewrite
 
+    def ours(x, w):
+        s = kernel.compress(_sparse24.prune_2_4(w), backend)
+        return lambda: kernel.sparse24_linear(x, s)
+
+    return decide_layer(ctx, label, "sparse24_linear", (M, K, N), dtype, device, kernel, ours)

@@ -16,6 +16,24 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class UpDown(nn.Module):
+    """Two linears, the shape the weight passes' CPU tests take (fp4, 2:4): ``up`` with a bias, ``down`` without."""
+
+    def __init__(self, d=256, h=512):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def up_down(dtype, **kw) -> UpDown:
+    """A seeded ``UpDown`` in ``dtype``, in eval mode."""
+    torch.manual_seed(0)
+    return UpDown(**kw).to(dtype).eval()
+
+
 class SmallCNN(nn.Module):
     def __init__(self, classes=10):
         super().__init__()

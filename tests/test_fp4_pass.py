@@ -14,22 +14,13 @@ from kpt_compiler import OptionError
 from kpt_compiler.kernels import _launch
 from kpt_compiler.lossy_guard import sqnr_db
 from kpt_compiler.target import Target
+from models import up_down
 
 if not _launch.kernel_runs(torch.empty(0), needs_3_6_interpreter=True):
     pytest.skip("the fp4 kernel runs on the CPU only in Triton's interpreter (TRITON_INTERPRET=1, triton >= 3.6)",
                 allow_module_level=True)
 
 DB = 15.0  # the pass's default bound; NVFP4 keeps about 20 dB of these Gaussian weights
-
-
-class Mlp(nn.Module):
-    def __init__(self, d=256, h=512):
-        super().__init__()
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
 
 
 def _compile(model, fp4=None, **options):
@@ -41,8 +32,7 @@ def _compile(model, fp4=None, **options):
 
 
 def _model(dtype=torch.float16, **kw):
-    torch.manual_seed(0)
-    return Mlp(**kw).to(dtype).eval()
+    return up_down(dtype, **kw)
 
 
 def test_inference_linears_get_fp4_weights_and_each_layer_keeps_its_bound():

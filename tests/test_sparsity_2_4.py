@@ -16,18 +16,9 @@ from kpt_compiler import OptionError
 from kpt_compiler.lossy_guard import sqnr_db
 from kpt_compiler.passes._sparse24 import is_2_4, prune_2_4
 from kpt_compiler.target import Target
+from models import up_down
 
 DENSE = {"kernel": "dense"}
-
-
-class Mlp(nn.Module):
-    def __init__(self, d=256, h=512):
-        super().__init__()
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
 
 
 def _compile(model, sparsity=None, **options):
@@ -38,8 +29,7 @@ def _compile(model, sparsity=None, **options):
 
 
 def _model(dtype=torch.bfloat16, **kw):
-    torch.manual_seed(0)
-    return Mlp(**kw).to(dtype).eval()
+    return up_down(dtype, **kw)
 
 
 def _masked(model):
@@ -109,7 +99,7 @@ def test_a_layer_under_the_bound_is_backed_out_and_runs_dense():
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("float32", "a float32 layer: the 2:4 kernels here take bfloat16 and float16"),
+    ("float32", "a float32 layer: 2:4 weights are for bfloat16 and float16 models"),
     ("odd_k", "a 512x258 weight: dense needs N a multiple of 1 and K of 4"),
     ("small", "is under min_features=256"),
     ("training", "a training graph"),
