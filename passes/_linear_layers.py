@@ -29,6 +29,15 @@ def module_path(node: fx.Node) -> str | None:
     return re.sub(r"^L(\[[^\]]*\])+\.?", "", path) or None  # Dynamo's L['self'] / L['args'][0] prefix
 
 
+def linear_layers(gm: fx.GraphModule):
+    """Each linear / addmm node of ``gm`` (a list taken first: the caller may replace them) with its label for the
+    report: ``linear_3 (model.layers.0.mlp.up_proj)``."""
+    for node in list(gm.graph.nodes):
+        if ir.kind(node) in ("linear", "addmm"):
+            path = module_path(node)
+            yield node, f"{node.name} ({path})" if path else node.name
+
+
 def not_plain(node: fx.Node, skip: tuple[str, ...]) -> str | None:
     """Why a linear / addmm node is not a layer a weight pass may replace (it writes into ``out=``, an addmm that
     is not x @ W + b, no 2-D weight, a module path matching a ``skip`` pattern), or None."""

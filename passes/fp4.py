@@ -47,7 +47,7 @@ from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _weight_copies
 from ._fp4_release import Fp4WeightTensor
-from ._linear_layers import (check_options, decide_layer, frozen_parameter, module_path, not_16bit_inference,
+from ._linear_layers import (check_options, decide_layer, frozen_parameter, linear_layers, not_16bit_inference,
                              operands, traced_rows)
 
 DEFAULT_BOUND_DB = 15.0  # NVFP4 keeps about 20 dB of a Gaussian weight, MXFP4 about 19 (tests/test_fp4_format.py)
@@ -128,11 +128,7 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         ctx.note("not applied: a training graph (fp4 weights are for inference; the fp8 pass trains)")
         return False
     copies, saved, kept = [], 0, 0
-    for node in list(gm.graph.nodes):
-        if ir.kind(node) not in ("linear", "addmm"):
-            continue
-        path = module_path(node)
-        label = f"{node.name} ({path})" if path else node.name
+    for node, label in linear_layers(gm):
         why, shape = not_16bit_inference(node, ctx, "fp4 weights")
         if why is None and shape[1] % fmt.block:
             why = f"K={shape[1]} input features are not a multiple of {fmt.name}'s block of {fmt.block}"

@@ -49,7 +49,7 @@ from kpt_compiler import torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _sparse24, _weight_copies
-from ._linear_layers import (check_options, decide_layer, frozen_parameter, module_path, not_16bit_inference,
+from ._linear_layers import (check_options, decide_layer, frozen_parameter, linear_layers, not_16bit_inference,
                              operands, traced_rows)
 
 # magnitude pruning keeps 8.8 dB of a layer's output with Gaussian weights, about 7 with nn.Linear's uniform init
@@ -165,11 +165,7 @@ def sparsity_2_4(gm: fx.GraphModule, ctx: PassContext) -> bool:
     backend = _kernel(ctx.options)
     captured = _captured(gm, ctx)
     copies = []
-    for node in list(gm.graph.nodes):
-        if ir.kind(node) not in ("linear", "addmm"):
-            continue
-        path = module_path(node)
-        label = f"{node.name} ({path})" if path else node.name
+    for node, label in linear_layers(gm):
         why, shape = not_16bit_inference(node, ctx, "2:4 weights")
         rows, cols = kernel.WEIGHT_MULTIPLES[backend]
         if why is None and (shape[0] % rows or shape[1] % cols):
