@@ -1,0 +1,217 @@
+"""A training step on one GPU and on several (issue 20): kernelpytorch against Inductor, bare, under DDP and under
+FSDP2, with tokens per second and the scaling from one GPU.
+
+    python -m benchmarks.bench_train_dist [--model llama-eager] [--gpus 2] [--modes inductor,kpt]
+                                          [--setups 1gpu,ddp,fsdp2] [--steps 30] [--out DIR] [--device cuda|cpu]
+
+Each setup and mode runs in new processes (``torch.multiprocessing.spawn``, one per GPU, NCCL; on the CPU gloo)
+over a new Inductor cache folder. Every rank builds the zoo model (benchmarks/zoo.py, its training case: batch x
+seq tokens per rank, bf16 on CUDA and fp32 on the CPU), wraps it (``1gpu``: one process, no wrapper; ``ddp``:
+DistributedDataParallel with Dynamo's DDPOptimizer on, as by default; ``fsdp2``: ``fully_shard`` on each block and
+then the model), compiles it, and times ``--steps`` steps of forward, cross-entropy against fixed random tokens,
+backward and AdamW (foreach), each step ended by a device synchronisation, after three untimed steps (the first
+compiles: its seconds are the compile column). The batch per GPU is fixed, so N GPUs process N times the tokens:
+scaling = tokens/s on N GPUs / tokens/s on one, for the same mode (N is ideal). Rank 0's times; the noise is
+(p80 - p20) / median over the steps. ``--out DIR`` writes bench_train_dist.json and .md (card, date, commit,
+command). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the lent machines ask.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from kpt_compiler.bench import git_commit
+
+from .bench_rms_norm import write_out
+
+MODES = ("inductor", "kpt")
+SETUPS = ("1gpu", "ddp", "fsdp2")
+WARMUP = 3
+
+
+def _wrap(model: torch.nn.Module, setup: str, device: str) -> torch.nn.Module:
+    if setup == "1gpu":
+        return model
+    if setup == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in _blocks(model):
+            fully_shard(block)
+        return fully_shard(model)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformer: the longest ModuleList's children."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of blocks for fully_shard")
+    return list(max(lists, key=len))
+
+
+def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import kpt_compiler
+    from kpt_compiler.bench import first_tensor
+
+    from .measure import prepare
+    from .zoo import cases
+
+    device = spec["device"]
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    if world > 1:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}",
+                               rank=rank, world_size=world)
+    (entry, case), = [(e, c) for e, c in cases("full", device, [spec["model"]]) if c.task == "training"][:1]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, make_inputs = prepare(entry, device, dtype)
+    model.train()
+    # the zoo's inputs come from a fixed seed: every rank sees the same tokens (the timing does not depend on them)
+    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(case.batch, case.seq, device))
+    backend = "kernelpytorch" if spec["mode"] == "kpt" else "inductor"
+    fn = torch.compile(_wrap(model, spec["setup"], device), backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    target = None
+
+    def step() -> float:
+        nonlocal target
+        opt.zero_grad(set_to_none=True)
+        out = first_tensor(fn(*inputs)).flatten(0, -2).float()
+        if target is None:
+            g = torch.Generator().manual_seed(1000 + rank)  # not the inputs' seed: next tokens, not the same
+            target = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
+            target = target.to(device)
+        loss = F.cross_entropy(out, target)
+        loss.backward()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return loss.item()
+
+    times, losses = [], []
+    for i in range(WARMUP + spec["steps"]):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        q = statistics.quantiles(times[WARMUP:], n=10, method="inclusive")  # deciles: q[1] p20, q[7] p80
+        median = statistics.median(times[WARMUP:])
+        fired = sorted({p for r in kpt_compiler.reports() for p in r.fired()})
+        row = {"model": entry.name, "shape": f"{case.batch}x{case.seq}", "setup": spec["setup"], "gpus": world,
+               "mode": spec["mode"], "compile_s": times[0], "ms": median * 1e3, "noise": (q[7] - q[1]) / median,
+               "tokens_s": world * case.batch * case.seq / median, "first_loss": losses[0], "last_loss": losses[-1],
+               "graphs": len(kpt_compiler.reports()) if spec["mode"] == "kpt" else None,
+               "ddp_pieces": sum(any(n.startswith("DDP split") for n in r.notes) for r in kpt_compiler.reports()),
+               "fired": fired, "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None}
+        with open(result_file, "w") as f:
+            json.dump(row, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_setup(setup: str, mode: str, gpus: int, args: argparse.Namespace) -> dict:
+    import torch.multiprocessing as mp
+
+    world = 1 if setup == "1gpu" else gpus
+    spec = {"device": args.device, "model": args.model, "setup": setup, "mode": mode, "steps": args.steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")  # the children inherit it
+        result = os.path.join(tmp, "row.json")
+        try:
+            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), spec, result), nprocs=world)
+            with open(result) as f:
+                row = json.load(f)
+        except Exception as e:  # noqa: BLE001 - one setup's failure is a row that says so
+            row = {"model": args.model, "setup": setup, "gpus": world, "mode": mode,
+                   "error": (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]}
+    print(f"{setup} x{world} {mode}: " + (f"{row['ms']:.2f} ms/step, {row['tokens_s']:.0f} tokens/s, "
+                                          f"compile {row['compile_s']:.1f} s" if "ms" in row else row["error"]),
+          flush=True)
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """scaling (against the same mode on one GPU) and kpt / Inductor (same setup), where both rows ran."""
+    by = {(r["setup"], r["mode"]): r for r in rows if "ms" in r}
+    for r in rows:
+        one = by.get(("1gpu", r["mode"]))
+        if "ms" in r and one:
+            r["scaling"] = r["tokens_s"] / one["tokens_s"]
+        ind = by.get((r["setup"], "inductor"))
+        if "ms" in r and ind and r["mode"] != "inductor":
+            r["vs_inductor"] = ind["ms"] / r["ms"]
+
+
+def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> str:
+    lines = [f"# A training step on 1 and more GPUs: {card}", "",
+             f"- date: {datetime.date.today()}; commit: {commit}; torch {torch.__version__}",
+             f"- command: `{command}`",
+             "- a step: forward, cross-entropy, backward, AdamW; ms: rank 0's median step; tokens/s: all GPUs; "
+             "scaling: tokens/s against the same mode on one GPU; vs Inductor: Inductor's ms / this row's, same "
+             "setup", "",
+             "| model | tokens per GPU | setup | GPUs | mode | compile s | ms/step | noise | tokens/s | scaling | "
+             "vs Inductor | graphs (DDP pieces) | peak MiB | passes fired | loss first, last |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | - | {r['setup']} | {r['gpus']} | {r['mode']} | error: {r['error']} |"
+                         + " |" * 9)
+            continue
+        graphs = f"{r['graphs']} ({r['ddp_pieces']})" if r["graphs"] is not None else "-"
+        peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
+        lines.append(
+            f"| {r['model']} | {r['shape']} | {r['setup']} | {r['gpus']} | {r['mode']} | {r['compile_s']:.1f} | "
+            f"{r['ms']:.2f} | {r['noise']:.1%} | {r['tokens_s']:.0f} | "
+            + (f"{r['scaling']:.2f}x" if "scaling" in r else "-") + " | "
+            + (f"{r['vs_inductor']:.2f}x" if "vs_inductor" in r else "-") + f" | {graphs} | {peak} | "
+            f"{', '.join(r['fired']) or '-'} | {r['first_loss']:.3f}, {r['last_loss']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a zoo entry with a training case (default: llama-eager on CUDA, "
+                                                 "tiny-gpt on the CPU)")
+    p.add_argument("--gpus", type=int, default=2, help="processes of the ddp and fsdp2 setups")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--setups", default=",".join(SETUPS))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default=None, help="write bench_train_dist.json and bench_train_dist.md here")
+    args = p.parse_args(argv)
+    args.model = args.model or ("llama-eager" if args.device == "cuda" else "tiny-gpt")
+    if args.device == "cuda" and torch.cuda.device_count() < args.gpus:
+        raise SystemExit(f"error: --gpus {args.gpus} but this machine has {torch.cuda.device_count()} GPU(s)")
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
+        os.environ.setdefault(name, value)
+    setups = [s for s in args.setups.split(",") if s]
+    unknown = sorted(set(setups) - set(SETUPS))
+    if unknown:
+        raise SystemExit(f"error: unknown setup(s) {unknown}; known: {', '.join(SETUPS)}")
+    rows = [run_setup(s, m, args.gpus, args) for s in setups for m in args.modes.split(",") if m]
+    add_ratios(rows)
+    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    command = ("python -m benchmarks.bench_train_dist " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    table = markdown(rows, command, card, git_commit())
+    write_out(args.out, "bench_train_dist", {"card": card, "torch": torch.__version__, "commit": git_commit(),
+                                             "date": str(datetime.date.today()), "command": command}, rows, table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+"""benchmarks/bench_train_dist.py (issue 20's training benchmark) on the CPU with gloo: one process and two under
+DDP, kpt only (each setup is an Inductor C++ compile per process). The two-GPU figures come from the H100s."""
+
+import json
+
+import pytest
+
+from benchmarks import bench_train_dist
+
+
+@pytest.mark.inductor
+def test_one_and_two_processes_write_rows_with_scaling_and_what_fired(tmp_path, capsys):
+    assert bench_train_dist.main(["--device", "cpu", "--modes", "kpt", "--setups", "1gpu,ddp", "--steps", "2",
+                                  "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "bench_train_dist.json").read_text())
+    assert record["card"] == "cpu" and record["command"].endswith("--out " + str(tmp_path)) and record["commit"]
+    one, ddp = record["rows"]
+    assert (one["setup"], one["gpus"], ddp["setup"], ddp["gpus"]) == ("1gpu", 1, "ddp", 2), record["rows"]
+    for row in (one, ddp):
+        assert "error" not in row and "attention" in row["fired"], row
+        assert row["tokens_s"] == pytest.approx(row["gpus"] * 32 / (row["ms"] / 1e3))  # tiny-gpt: 1x32 a rank
+        assert row["first_loss"] > 1.0, row  # the targets are not the inputs: a model that copies is no help
+    assert ddp["scaling"] == pytest.approx(ddp["tokens_s"] / one["tokens_s"]) and one["scaling"] == 1.0
+    assert ddp["ddp_pieces"] == ddp["graphs"] > 1 and one["ddp_pieces"] == 0, (one, ddp)  # DDPOptimizer's cut
+    table = (tmp_path / "bench_train_dist.md").read_text()
+    assert "| tiny-gpt | 1x32 | ddp | 2 | kpt |" in table and f"{ddp['scaling']:.2f}x" in table
+
+
+def test_an_unknown_setup_is_an_error_that_names_the_known_ones():
+    with pytest.raises(SystemExit, match="unknown setup.*1gpu, ddp, fsdp2"):
+        bench_train_dist.main(["--device", "cpu", "--setups", "1gpu,zero3"])
