@@ -2,13 +2,14 @@
 FSDP2, with tokens per second and the scaling from one GPU.
 
     python -m benchmarks.bench_train_dist [--model llama-eager] [--gpus 2] [--modes inductor,kpt]
-                                          [--setups 1gpu,ddp,fsdp2] [--steps 30] [--out DIR] [--device cuda|cpu]
+                                          [--setups 1gpu,ddp,fsdp2,fsdp2-blocks] [--steps 30] [--out DIR] [--device cuda|cpu]
 
 Each setup and mode runs in new processes (``torch.multiprocessing.spawn``, one per GPU, NCCL; on the CPU gloo)
 over a new Inductor cache folder. Every rank builds the zoo model (benchmarks/zoo.py, its training case: batch x
 seq tokens per rank, bf16 on CUDA and fp32 on the CPU), wraps it (``1gpu``: one process, no wrapper; ``ddp``:
 DistributedDataParallel with Dynamo's DDPOptimizer on, as by default; ``fsdp2``: ``fully_shard`` on each block and
-then the model), compiles it, and times ``--steps`` steps of forward, cross-entropy against fixed random tokens,
+then the model; ``fsdp2-blocks``: the same with each block compiled on its own before, as torchtitan does, and
+the rest eager), compiles it, and times ``--steps`` steps of forward, cross-entropy against fixed random tokens,
 backward and AdamW (foreach), each step ended by a device synchronisation, after three untimed steps (the first
 compiles: its seconds are the compile column). The batch per GPU is fixed, so N GPUs process N times the tokens:
 scaling = tokens/s on N GPUs / tokens/s on one, for the same mode (N is ideal). Rank 0's times; the noise is
@@ -34,14 +35,14 @@ from kpt_compiler.bench import git_commit
 from .bench_rms_norm import write_out
 
 MODES = ("inductor", "kpt")
-SETUPS = ("1gpu", "ddp", "fsdp2")
+SETUPS = ("1gpu", "ddp", "fsdp2", "fsdp2-blocks")
 WARMUP = 3
 
 
 def _wrap(model: torch.nn.Module, setup: str, device: str) -> torch.nn.Module:
     if setup == "1gpu":
         return model
-    if setup == "fsdp2":
+    if setup.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
         for block in _blocks(model):
@@ -83,7 +84,12 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
     # the zoo's inputs come from a fixed seed: every rank sees the same tokens (the timing does not depend on them)
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(case.batch, case.seq, device))
     backend = "kernelpytorch" if spec["mode"] == "kpt" else "inductor"
-    fn = torch.compile(_wrap(model, spec["setup"], device), backend=backend)
+    if spec["setup"] == "fsdp2-blocks":  # torchtitan's way: each block compiled in place, then sharded
+        for block in _blocks(model):
+            block.compile(backend=backend)
+        fn = _wrap(model, spec["setup"], device)
+    else:
+        fn = torch.compile(_wrap(model, spec["setup"], device), backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     target = None
 
@@ -202,13 +208,17 @@ def main(argv=None) -> int:
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown:
         raise SystemExit(f"error: unknown setup(s) {unknown}; known: {', '.join(SETUPS)}")
-    rows = [run_setup(s, m, args.gpus, args) for s in setups for m in args.modes.split(",") if m]
-    add_ratios(rows)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     command = ("python -m benchmarks.bench_train_dist " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    table = markdown(rows, command, card, git_commit())
-    write_out(args.out, "bench_train_dist", {"card": card, "torch": torch.__version__, "commit": git_commit(),
-                                             "date": str(datetime.date.today()), "command": command}, rows, table)
+    meta = {"card": card, "torch": torch.__version__, "commit": git_commit(), "date": str(datetime.date.today()),
+            "command": command}
+    rows: list[dict] = []
+    for setup in setups:
+        for mode in (m for m in args.modes.split(",") if m):
+            rows.append(run_setup(setup, mode, args.gpus, args))
+            add_ratios(rows)
+            table = markdown(rows, command, card, meta["commit"])
+            write_out(args.out, "bench_train_dist", meta, rows, table)  # after each row: a killed run keeps them
     print(table)
     return 0
 
