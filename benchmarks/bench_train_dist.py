@@ -2,16 +2,20 @@
 FSDP2, with tokens per second and the scaling from one GPU.
 
     python -m benchmarks.bench_train_dist [--model llama-eager] [--gpus 2] [--modes inductor,kpt]
-                                          [--setups 1gpu,ddp,fsdp2,fsdp2-blocks] [--steps 30] [--out DIR] [--device cuda|cpu]
+                                          [--setups 1gpu,ddp,fsdp2,fsdp2-blocks] [--steps 30] [--out DIR]
+                                          [--device cuda|cpu]
 
-Each setup and mode runs in new processes (``torch.multiprocessing.spawn``, one per GPU, NCCL; on the CPU gloo)
-over a new Inductor cache folder. Every rank builds the zoo model (benchmarks/zoo.py, its training case: batch x
+Each setup runs in new processes (``torch.multiprocessing.spawn``, one per GPU, NCCL; on the CPU gloo) over a new
+Inductor cache folder; the modes share them, each with its own copy of the model, timed in turn (five rounds of
+``--steps`` / 5 steps each), so that a slow spell of the machine falls on all of them (DDP on the H200s moved by
+40% between two runs of one mode). Every rank builds the zoo model (benchmarks/zoo.py, its training case: batch x
 seq tokens per rank, bf16 on CUDA and fp32 on the CPU), wraps it (``1gpu``: one process, no wrapper; ``ddp``:
 DistributedDataParallel with Dynamo's DDPOptimizer on, as by default; ``fsdp2``: ``fully_shard`` on each block and
 then the model; ``fsdp2-blocks``: the same with each block compiled on its own before, as torchtitan does, and
 the rest eager), compiles it, and times ``--steps`` steps of forward, cross-entropy against fixed random tokens,
 backward and AdamW (foreach), each step ended by a device synchronisation, after three untimed steps (the first
-compiles: its seconds are the compile column). The batch per GPU is fixed, so N GPUs process N times the tokens:
+compiles: its seconds are the compile column; the peak memory is that of the mode's warm-up, which the modes
+before it add to). The batch per GPU is fixed, so N GPUs process N times the tokens:
 scaling = tokens/s on N GPUs / tokens/s on one, for the same mode (N is ideal). Rank 0's times; the noise is
 (p80 - p20) / median over the steps. ``--out DIR`` writes bench_train_dist.json and .md (card, date, commit,
 command). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the lent machines ask.
@@ -37,6 +41,7 @@ from .bench_rms_norm import write_out
 MODES = ("inductor", "kpt")
 SETUPS = ("1gpu", "ddp", "fsdp2", "fsdp2-blocks")
 WARMUP = 3
+ROUNDS = 5
 
 
 def _wrap(model: torch.nn.Module, setup: str, device: str) -> torch.nn.Module:
@@ -63,10 +68,8 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str) -> None:
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     import kpt_compiler
-    from kpt_compiler.bench import first_tensor
 
     from .measure import prepare
     from .zoo import cases
@@ -79,17 +82,58 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
                                rank=rank, world_size=world)
     (entry, case), = [(e, c) for e, c in cases("full", device, [spec["model"]]) if c.task == "training"][:1]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model, make_inputs = prepare(entry, device, dtype)
-    model.train()
-    # the zoo's inputs come from a fixed seed: every rank sees the same tokens (the timing does not depend on them)
-    inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(case.batch, case.seq, device))
-    backend = "kernelpytorch" if spec["mode"] == "kpt" else "inductor"
-    if spec["setup"] == "fsdp2-blocks":  # torchtitan's way: each block compiled in place, then sharded
+    steps, times, losses, peak = {}, {}, {}, {}
+    for mode in spec["modes"]:  # each mode its own copy of the model (same seed), wrapper and optimizer
+        model, make_inputs = prepare(entry, device, dtype)
+        model.train()
+        # the zoo's inputs come from a fixed seed: every rank sees the same tokens (the timing does not depend on them)
+        inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(case.batch, case.seq, device))
+        steps[mode] = _make_step(model, inputs, mode, spec["setup"], device, rank)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times[mode], losses[mode] = [], []
+        for _ in range(WARMUP):  # the first compiles
+            _timed(steps[mode], times[mode], losses[mode])
+        peak[mode] = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
+    for _ in range(ROUNDS):  # in turn, so that a slower spell of the machine falls on every mode
+        for mode in spec["modes"]:
+            for _ in range(max(1, spec["steps"] // ROUNDS)):
+                _timed(steps[mode], times[mode], losses[mode])
+    if rank == 0:
+        reports = kpt_compiler.reports()
+        rows = []
+        for mode in spec["modes"]:
+            timed = times[mode][WARMUP:]
+            q = statistics.quantiles(timed, n=10, method="inclusive")  # deciles: q[1] p20, q[7] p80
+            median = statistics.median(timed)
+            rows.append({
+                "model": entry.name, "shape": f"{case.batch}x{case.seq}", "setup": spec["setup"], "gpus": world,
+                "mode": mode, "compile_s": times[mode][0], "ms": median * 1e3, "noise": (q[7] - q[1]) / median,
+                "steps": len(timed), "tokens_s": world * case.batch * case.seq / median,
+                "first_loss": losses[mode][0], "last_loss": losses[mode][-1],
+                "graphs": len(reports) if mode == "kpt" else None,
+                "ddp_pieces": sum(any(n.startswith("DDP split") for n in r.notes) for r in reports) if mode == "kpt"
+                else None,
+                "fired": sorted({p for r in reports for p in r.fired()}) if mode == "kpt" else [],
+                "peak_mib": peak[mode]})
+        with open(result_file, "w") as f:
+            json.dump(rows, f)
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def _make_step(model: torch.nn.Module, inputs: tuple, mode: str, setup: str, device: str, rank: int):
+    import torch.nn.functional as F
+
+    from kpt_compiler.bench import first_tensor
+
+    backend = "kernelpytorch" if mode == "kpt" else "inductor"
+    if setup == "fsdp2-blocks":  # torchtitan's way: each block compiled in place, then sharded
         for block in _blocks(model):
             block.compile(backend=backend)
-        fn = _wrap(model, spec["setup"], device)
+        fn = _wrap(model, setup, device)
     else:
-        fn = torch.compile(_wrap(model, spec["setup"], device), backend=backend)
+        fn = torch.compile(_wrap(model, setup, device), backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     target = None
 
@@ -99,8 +143,7 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
         out = first_tensor(fn(*inputs)).flatten(0, -2).float()
         if target is None:
             g = torch.Generator().manual_seed(1000 + rank)  # not the inputs' seed: next tokens, not the same
-            target = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
-            target = target.to(device)
+            target = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g).to(device)
         loss = F.cross_entropy(out, target)
         loss.backward()
         opt.step()
@@ -108,46 +151,35 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
             torch.cuda.synchronize()
         return loss.item()
 
-    times, losses = [], []
-    for i in range(WARMUP + spec["steps"]):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
-    if rank == 0:
-        q = statistics.quantiles(times[WARMUP:], n=10, method="inclusive")  # deciles: q[1] p20, q[7] p80
-        median = statistics.median(times[WARMUP:])
-        fired = sorted({p for r in kpt_compiler.reports() for p in r.fired()})
-        row = {"model": entry.name, "shape": f"{case.batch}x{case.seq}", "setup": spec["setup"], "gpus": world,
-               "mode": spec["mode"], "compile_s": times[0], "ms": median * 1e3, "noise": (q[7] - q[1]) / median,
-               "tokens_s": world * case.batch * case.seq / median, "first_loss": losses[0], "last_loss": losses[-1],
-               "graphs": len(kpt_compiler.reports()) if spec["mode"] == "kpt" else None,
-               "ddp_pieces": sum(any(n.startswith("DDP split") for n in r.notes) for r in kpt_compiler.reports()),
-               "fired": fired, "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None}
-        with open(result_file, "w") as f:
-            json.dump(row, f)
-    if world > 1:
-        dist.destroy_process_group()
+    return step
 
 
-def run_setup(setup: str, mode: str, gpus: int, args: argparse.Namespace) -> dict:
+def _timed(step, times: list[float], losses: list[float]) -> None:
+    t0 = time.perf_counter()
+    losses.append(step())
+    times.append(time.perf_counter() - t0)
+
+
+def run_setup(setup: str, modes: list[str], gpus: int, args: argparse.Namespace) -> list[dict]:
     import torch.multiprocessing as mp
 
     world = 1 if setup == "1gpu" else gpus
-    spec = {"device": args.device, "model": args.model, "setup": setup, "mode": mode, "steps": args.steps}
+    spec = {"device": args.device, "model": args.model, "setup": setup, "modes": modes, "steps": args.steps}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")  # the children inherit it
-        result = os.path.join(tmp, "row.json")
+        result = os.path.join(tmp, "rows.json")
         try:
             mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), spec, result), nprocs=world)
             with open(result) as f:
-                row = json.load(f)
+                rows = json.load(f)
         except Exception as e:  # noqa: BLE001 - one setup's failure is a row that says so
-            row = {"model": args.model, "setup": setup, "gpus": world, "mode": mode,
-                   "error": (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]}
-    print(f"{setup} x{world} {mode}: " + (f"{row['ms']:.2f} ms/step, {row['tokens_s']:.0f} tokens/s, "
-                                          f"compile {row['compile_s']:.1f} s" if "ms" in row else row["error"]),
-          flush=True)
-    return row
+            error = (str(e).strip().splitlines() or [type(e).__name__])[-1][:300]
+            rows = [{"model": args.model, "setup": setup, "gpus": world, "mode": m, "error": error} for m in modes]
+    for row in rows:
+        print(f"{setup} x{world} {row['mode']}: " + (
+            f"{row['ms']:.2f} ms/step, {row['tokens_s']:.0f} tokens/s, compile {row['compile_s']:.1f} s"
+            if "ms" in row else row["error"]), flush=True)
+    return rows
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -214,11 +246,10 @@ def main(argv=None) -> int:
             "command": command}
     rows: list[dict] = []
     for setup in setups:
-        for mode in (m for m in args.modes.split(",") if m):
-            rows.append(run_setup(setup, mode, args.gpus, args))
-            add_ratios(rows)
-            table = markdown(rows, command, card, meta["commit"])
-            write_out(args.out, "bench_train_dist", meta, rows, table)  # after each row: a killed run keeps them
+        rows += run_setup(setup, [m for m in args.modes.split(",") if m], args.gpus, args)
+        add_ratios(rows)
+        table = markdown(rows, command, card, meta["commit"])
+        write_out(args.out, "bench_train_dist", meta, rows, table)  # after each setup: a killed run keeps them
     print(table)
     return 0
 

@@ -120,12 +120,16 @@ def main(argv=None) -> int:
         return 0
     names = args.models.split(",") if args.models else None
     models = list(dict.fromkeys(e.name for e, c in cases("quick", args.device, names) if c.task == "inference"))
-    rows = [run_case(name, mode, args.device) for name in models for mode in modes]
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     command = ("python -m benchmarks.bench_warm " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    table = markdown(rows, command, card, git_commit())
-    write_out(args.out, "bench_warm", {"card": card, "torch": torch.__version__, "date": str(datetime.date.today()),
-                                       "commit": git_commit(), "command": command}, rows, table)
+    meta = {"card": card, "torch": torch.__version__, "date": str(datetime.date.today()), "commit": git_commit(),
+            "command": command}
+    rows: list[dict] = []
+    for name in models:
+        for mode in modes:
+            rows.append(run_case(name, mode, args.device))
+            table = markdown(rows, command, card, meta["commit"])
+            write_out(args.out, "bench_warm", meta, rows, table)  # after each row: a killed run keeps them
     print(table)
     return 0
 

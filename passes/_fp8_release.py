@@ -69,7 +69,10 @@ class Fp8WeightTensor(ReleasedWeight):
 
 def fp8_linear_released(x: torch.Tensor, w: Fp8WeightTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` (``x @ w + bias`` where the weight is stored [K, N]) on a released weight's e4m3
-    values: the same GEMM as ``fp8_linear_static``."""
+    values: the same GEMM as ``fp8_linear_static`` (a float32 layer on CUDA adds its bias after: cuBLAS's fp8
+    GEMM takes one only with a 16-bit output)."""
+    if bias is not None and x.dtype == torch.float32 and x.is_cuda:
+        return _fp8_static.fp8_linear_static(x, w.w8, w.scale, granularity=w.granularity) + bias
     return _fp8_static.fp8_linear_static(x, w.w8, w.scale, bias, granularity=w.granularity)
 
 

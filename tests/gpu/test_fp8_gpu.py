@@ -15,12 +15,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an fp8 GPU")]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: cuBLAS takes no bias, added after
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_each_recipe_in_bf16_forward_and_backward(recipe):
+def test_each_recipe_forward_and_backward(recipe, dtype):
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
-    w = (torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, generator=g) * 0.03).requires_grad_()
-    b = torch.randn(2048, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    x = torch.randn(512, 1024, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    w = (torch.randn(2048, 1024, device="cuda", dtype=dtype, generator=g) * 0.03).requires_grad_()
+    b = torch.randn(2048, device="cuda", dtype=dtype, generator=g).requires_grad_()
     out = fp8_linear(x, w, b, recipe=recipe)
     grad = torch.randn_like(out)
     out.backward(grad)
