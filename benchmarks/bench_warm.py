@@ -6,7 +6,8 @@ Inductor cache folder, the second time as a restarted job would.
 For each quick inference case of the zoo (benchmarks/zoo.py; --models picks entries) and each mode, a child
 process (``--child``) builds the model (bf16 on CUDA, fp32 on the CPU), compiles it under ``torch.no_grad`` and
 times ``torch.compile`` and the first call, which includes the compile, and Dynamo's share of it (Dynamo,
-our backend and Inductor: the rest is the first run, with the kernels' loading and autotuning). It runs twice with ``TORCHINDUCTOR_CACHE_DIR`` set to one
+our backend and Inductor: the rest is the first run, with the kernels' loading) and the time its autotuners
+spent benchmarking configs (Triton's, which our kernels use outside Inductor, and Inductor's). It runs twice with ``TORCHINDUCTOR_CACHE_DIR`` set to one
 new folder per case and mode: "cold" fills the cache, "warm" reads it. Columns: the two times, their ratio, the
 FX-graph cache hits of the warm run, and for kpt the passes that fired in each run (our pre_aot passes run
 again on the warm compile, and the report says where the code came from). Inductor's FX-graph and AOTAutograd
@@ -49,6 +50,7 @@ def child(model_name: str, mode: str, device: str) -> dict:
     model.eval()
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(case.batch, case.seq, device))
     backend = "kernelpytorch" if mode == "kpt" else "inductor"
+    autotune = _time_autotuning()
     # from torch.compile on: "inductor" imports Inductor there, ours at the first compile
     start = time.perf_counter()
     compiled = torch.compile(model, backend=backend)
@@ -60,6 +62,7 @@ def child(model_name: str, mode: str, device: str) -> dict:
     names, values = compile_times(repr="csv", aggregate=True)
     dynamo = float(dict(zip(names, values)).get("_compile.compile_inner", 0.0))
     row = {"model": entry.name, "shape": entry.shape(case), "mode": mode, "seconds": seconds, "compile_s": dynamo,
+           "autotune_s": autotune["seconds"], "autotunes": autotune["calls"],
            "fx_hits": counters["inductor"]["fxgraph_cache_hit"], "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
            "aot_hits": counters["aot_autograd"]["autograd_cache_hit"]}
     if mode == "kpt":
@@ -67,6 +70,35 @@ def child(model_name: str, mode: str, device: str) -> dict:
         row["fired"] = sorted({p for r in reports for p in r.fired()})
         row["from_cache"] = any("came from Inductor's cache" in n for r in reports for n in r.notes)
     return row
+
+
+def _time_autotuning() -> dict:
+    """Count and time, in this process, the benchmarking of autotuning configs: Triton's ``Autotuner._bench`` (our
+    kernels' ``triton.autotune`` outside Inductor) and Inductor's ``CachingAutotuner.benchmark_all_configs``
+    (its own kernels, and user kernels it launches). Neither exists without triton: then nothing is counted."""
+    import functools
+
+    totals = {"seconds": 0.0, "calls": 0}
+
+    def timed(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals["seconds"] += time.perf_counter() - t0
+                totals["calls"] += 1
+        return wrapper
+
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:
+        return totals
+    Autotuner._bench = timed(Autotuner._bench)
+    CachingAutotuner.benchmark_all_configs = timed(CachingAutotuner.benchmark_all_configs)
+    return totals
 
 
 def run_case(model_name: str, mode: str, device: str) -> dict:
@@ -83,6 +115,8 @@ def run_case(model_name: str, mode: str, device: str) -> dict:
     cold, warm = runs
     row = {**{k: cold[k] for k in ("model", "shape", "mode")}, "cold_s": cold["seconds"], "warm_s": warm["seconds"],
            "cold_compile_s": cold["compile_s"], "warm_compile_s": warm["compile_s"],
+           "cold_autotune_s": cold["autotune_s"], "warm_autotune_s": warm["autotune_s"],
+           "cold_autotunes": cold["autotunes"], "warm_autotunes": warm["autotunes"],
            "speedup": cold["seconds"] / warm["seconds"], "warm_fx_hits": warm["fx_hits"],
            "warm_fx_misses": warm["fx_misses"], "warm_aot_hits": warm["aot_hits"]}
     if mode == "kpt":
@@ -97,10 +131,11 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
              f"- date: {datetime.date.today()}; commit: {commit}; torch {torch.__version__}",
              f"- command: `{command}`",
              "- seconds: torch.compile and the first call in a new process; warm: the same again over the cold "
-             "run's Inductor cache. (of which Dynamo): the time inside Dynamo's compile, our backend and Inductor "
-             "included; the rest is the first run itself, with the kernels' loading and autotuning", "",
-             "| model | shape | mode | cold s (of which Dynamo) | warm s (of which Dynamo) | cold / warm | warm FX-graph "
-             "hits, misses | passes fired cold / warm | warm report says cache |",
+             "run's Inductor cache. (Dynamo, autotuning): the time inside Dynamo's compile, our backend and "
+             "Inductor included, and the time spent benchmarking autotuning configs (Triton's and Inductor's "
+             "autotuners; inside Dynamo's share where Inductor tunes while compiling)", "",
+             "| model | shape | mode | cold s (Dynamo, autotuning) | warm s (Dynamo, autotuning) | cold / warm | warm "
+             "FX-graph hits, misses | passes fired cold / warm | warm report says cache |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
@@ -108,8 +143,9 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
             continue
         fired = f"{', '.join(r['cold_fired'])} / {', '.join(r['warm_fired'])}" if "cold_fired" in r else "-"
         says = ("yes" if r["warm_says_cache"] else "no") if "warm_says_cache" in r else "-"
-        lines.append(f"| {r['model']} | {r['shape']} | {r['mode']} | {r['cold_s']:.1f} ({r['cold_compile_s']:.1f}) | "
-                     f"{r['warm_s']:.1f} ({r['warm_compile_s']:.1f}) | "
+        lines.append(f"| {r['model']} | {r['shape']} | {r['mode']} | {r['cold_s']:.1f} ({r['cold_compile_s']:.1f}, "
+                     f"{r['cold_autotune_s']:.1f}) | {r['warm_s']:.1f} ({r['warm_compile_s']:.1f}, "
+                     f"{r['warm_autotune_s']:.1f}) | "
                      f"{r['speedup']:.1f}x | {r['warm_fx_hits']}, {r['warm_fx_misses']} | {fired} | {says} |")
     return "\n".join(lines)
 

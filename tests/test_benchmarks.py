@@ -376,3 +376,22 @@ def test_bench_warm_compiles_cold_then_warm_from_one_cache(tmp_path):
     # Dynamo's share: most of a cold compile (Inductor's C++ build), less than the whole of either
     assert 0 < row["warm_compile_s"] < row["warm_s"] and 0.5 * row["cold_s"] < row["cold_compile_s"] < row["cold_s"]
     assert (tmp_path / "bench_warm.md").read_text().count("| tiny-gpt |") == 1
+    assert row["warm_autotune_s"] >= 0 and row["cold_autotunes"] >= 0  # the CPU has no autotuner to time
+
+
+def test_bench_warm_times_both_autotuners(monkeypatch):
+    """What the autotuning column adds up: each config benchmark of Triton's autotuner and each of Inductor's."""
+    import time
+
+    pytest.importorskip("triton")
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    from triton.runtime.autotuner import Autotuner
+
+    from benchmarks import bench_warm
+
+    monkeypatch.setattr(Autotuner, "_bench", lambda self, *a, **k: time.sleep(0.02) or [1.0])
+    monkeypatch.setattr(CachingAutotuner, "benchmark_all_configs", lambda self, *a, **k: time.sleep(0.03) or {})
+    totals = bench_warm._time_autotuning()
+    assert Autotuner._bench(None, config=None) == [1.0] and CachingAutotuner.benchmark_all_configs(None) == {}
+    Autotuner._bench(None, config=None)
+    assert totals["calls"] == 3 and 0.07 <= totals["seconds"] < 1.0, totals
