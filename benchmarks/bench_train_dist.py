@@ -17,8 +17,9 @@ backward and AdamW (foreach), each step ended by a device synchronisation, after
 compiles: its seconds are the compile column; the peak memory is that of the mode's warm-up, which the modes
 before it add to). The batch per GPU is fixed, so N GPUs process N times the tokens:
 scaling = tokens/s on N GPUs / tokens/s on one, for the same mode (N is ideal). Rank 0's times; the noise is
-(p80 - p20) / median over the steps. ``--out DIR`` writes bench_train_dist.json and .md (card, date, commit,
-command). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the lent machines ask.
+(p80 - p20) / median over the steps. ``--profile DIR`` profiles five more steps of each mode after the timing (rank
+0's kernels by device time, NCCL's share in the rows). ``--out DIR`` writes bench_train_dist.json and .md (card,
+date, commit, command). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the lent machines ask.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ MODES = ("inductor", "kpt")
 SETUPS = ("1gpu", "ddp", "fsdp2", "fsdp2-blocks")
 WARMUP = 3
 ROUNDS = 5
+PROFILE_STEPS = 5
 
 
 def _wrap(model: torch.nn.Module, setup: str, device: str) -> torch.nn.Module:
@@ -99,6 +101,7 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
         for mode in spec["modes"]:
             for _ in range(max(1, spec["steps"] // ROUNDS)):
                 _timed(steps[mode], times[mode], losses[mode])
+    profiles = {mode: _profile(steps[mode], spec, mode, rank) for mode in spec["modes"]} if spec.get("profile") else {}
     if rank == 0:
         reports = kpt_compiler.reports()
         rows = []
@@ -115,11 +118,45 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
                 "ddp_pieces": sum(any(n.startswith("DDP split") for n in r.notes) for r in reports) if mode == "kpt"
                 else None,
                 "fired": sorted({p for r in reports for p in r.fired()}) if mode == "kpt" else [],
-                "peak_mib": peak[mode]})
+                "peak_mib": peak[mode], **profiles.get(mode, {})})
         with open(result_file, "w") as f:
             json.dump(rows, f)
     if world > 1:
         dist.destroy_process_group()
+
+
+def _profile(step, spec: dict, mode: str, rank: int) -> dict:
+    """PROFILE_STEPS more steps, under torch.profiler on rank 0 (every rank runs them: they hold collectives).
+    Writes ``<profile>/<setup>-<mode>.txt``, the kernels by device time, and returns per step: the device time
+    of NCCL's kernels, of all kernels, and the wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if rank:
+        for _ in range(PROFILE_STEPS):
+            step()
+        return {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if spec["device"] == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILE_STEPS):
+            step()
+    wall = (time.perf_counter() - t0) / PROFILE_STEPS
+    events = prof.key_averages()
+
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+
+    kernels = [e for e in events if device_us(e) > 0]
+    nccl = sum(device_us(e) for e in kernels if "nccl" in e.key.lower())
+    total = sum(device_us(e) for e in kernels)
+    os.makedirs(spec["profile"], exist_ok=True)
+    with open(os.path.join(spec["profile"], f"{spec['setup']}-{mode}.txt"), "w") as f:
+        f.write(f"# {spec['setup']} {mode}, rank 0, {PROFILE_STEPS} steps: wall {wall * 1e3:.2f} ms/step, device "
+                f"{total / 1e3 / PROFILE_STEPS:.2f} ms/step of which NCCL {nccl / 1e3 / PROFILE_STEPS:.2f}\n")
+        sort = "self_cuda_time_total" if spec["device"] == "cuda" else "self_cpu_time_total"
+        f.write(events.table(sort_by=sort, row_limit=30, max_name_column_width=90))
+    return {"profile_wall_ms": wall * 1e3, "device_ms": total / 1e3 / PROFILE_STEPS,
+            "nccl_ms": nccl / 1e3 / PROFILE_STEPS}
 
 
 def _make_step(model: torch.nn.Module, inputs: tuple, mode: str, setup: str, device: str, rank: int):
@@ -164,7 +201,8 @@ def run_setup(setup: str, modes: list[str], gpus: int, args: argparse.Namespace)
     import torch.multiprocessing as mp
 
     world = 1 if setup == "1gpu" else gpus
-    spec = {"device": args.device, "model": args.model, "setup": setup, "modes": modes, "steps": args.steps}
+    spec = {"device": args.device, "model": args.model, "setup": setup, "modes": modes, "steps": args.steps,
+            "profile": args.profile}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")  # the children inherit it
         result = os.path.join(tmp, "rows.json")
@@ -202,12 +240,13 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
              "scaling: tokens/s against the same mode on one GPU; vs Inductor: Inductor's ms / this row's, same "
              "setup", "",
              "| model | tokens per GPU | setup | GPUs | mode | compile s | ms/step | noise | tokens/s | scaling | "
-             "vs Inductor | graphs (DDP pieces) | peak MiB | passes fired | loss first, last |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "vs Inductor | graphs (DDP pieces) | peak MiB | passes fired | loss first, last | profiled ms/step: "
+             "wall, device (NCCL) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['model']} | - | {r['setup']} | {r['gpus']} | {r['mode']} | error: {r['error']} |"
-                         + " |" * 9)
+                         + " |" * 10)
             continue
         graphs = f"{r['graphs']} ({r['ddp_pieces']})" if r["graphs"] is not None else "-"
         peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
@@ -216,7 +255,8 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
             f"{r['ms']:.2f} | {r['noise']:.1%} | {r['tokens_s']:.0f} | "
             + (f"{r['scaling']:.2f}x" if "scaling" in r else "-") + " | "
             + (f"{r['vs_inductor']:.2f}x" if "vs_inductor" in r else "-") + f" | {graphs} | {peak} | "
-            f"{', '.join(r['fired']) or '-'} | {r['first_loss']:.3f}, {r['last_loss']:.3f} |")
+            f"{', '.join(r['fired']) or '-'} | {r['first_loss']:.3f}, {r['last_loss']:.3f} | "
+            + (f"{r['profile_wall_ms']:.2f}, {r['device_ms']:.2f} ({r['nccl_ms']:.2f}) |" if "device_ms" in r else "- |"))
     return "\n".join(lines)
 
 
@@ -228,6 +268,9 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--profile", default=None, help="after the timing, profile 5 more steps of each mode on rank 0 "
+                   "and write the kernels by device time here (<setup>-<mode>.txt); the rows get NCCL's and all "
+                   "kernels' device time per step")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write bench_train_dist.json and bench_train_dist.md here")
     args = p.parse_args(argv)

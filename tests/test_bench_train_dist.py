@@ -11,9 +11,9 @@ from benchmarks import bench_train_dist
 @pytest.mark.inductor
 def test_one_and_two_processes_write_rows_with_scaling_and_what_fired(tmp_path, capsys):
     assert bench_train_dist.main(["--device", "cpu", "--modes", "inductor,kpt", "--setups", "1gpu,ddp", "--steps",
-                                  "5", "--out", str(tmp_path)]) == 0
+                                  "5", "--out", str(tmp_path), "--profile", str(tmp_path / "prof")]) == 0
     record = json.loads((tmp_path / "bench_train_dist.json").read_text())
-    assert record["card"] == "cpu" and record["command"].endswith("--out " + str(tmp_path)) and record["commit"]
+    assert record["card"] == "cpu" and "--out " + str(tmp_path) in record["command"] and record["commit"]
     one_ind, one, ddp_ind, ddp = record["rows"]
     assert [r["mode"] for r in record["rows"]] == ["inductor", "kpt"] * 2 and all(r["steps"] == 5 for r in record["rows"])
     # two backends in one process: each model compiled by its own (Inductor's runs none of our passes), same losses
@@ -27,6 +27,9 @@ def test_one_and_two_processes_write_rows_with_scaling_and_what_fired(tmp_path, 
         assert row["first_loss"] > 1.0, row  # the targets are not the inputs: a model that copies is no help
     assert ddp["scaling"] == pytest.approx(ddp["tokens_s"] / one["tokens_s"]) and one["scaling"] == 1.0
     assert ddp["ddp_pieces"] == ddp["graphs"] > 1 and one["ddp_pieces"] == 0, (one, ddp)  # DDPOptimizer's cut
+    for row in record["rows"]:  # profiled on rank 0 after the timing: the CPU has no device time to split
+        assert row["profile_wall_ms"] > 0 and row["nccl_ms"] == row["device_ms"] == 0, row
+        assert "aten::" in (tmp_path / "prof" / f"{row['setup']}-{row['mode']}.txt").read_text()
     table = (tmp_path / "bench_train_dist.md").read_text()
     assert "| tiny-gpt | 1x32 | ddp | 2 | kpt |" in table and f"{ddp['scaling']:.2f}x" in table
 
