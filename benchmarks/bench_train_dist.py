@@ -11,11 +11,13 @@ Inductor cache folder; the modes share them, each with its own copy of the model
 40% between two runs of one mode). Every rank builds the zoo model (benchmarks/zoo.py, its training case: batch x
 seq tokens per rank, bf16 on CUDA and fp32 on the CPU), wraps it (``1gpu``: one process, no wrapper; ``ddp``:
 DistributedDataParallel with Dynamo's DDPOptimizer on, as by default; ``fsdp2``: ``fully_shard`` on each block and
-then the model; ``fsdp2-blocks``: the same with each block compiled on its own before, as torchtitan does, and
-the rest eager), compiles it, and times ``--steps`` steps of forward, cross-entropy against fixed random tokens,
+then the model, the whole compiled, where Dynamo breaks the graph at FSDP2's hooks (a graph per block and
+pieces around them: the reports count them); ``fsdp2-blocks``: each block compiled on its own before sharding,
+as torchtitan does, and the rest eager), compiles it, and times ``--steps`` steps of forward, cross-entropy against fixed random tokens,
 backward and AdamW (foreach), each step ended by a device synchronisation, after three untimed steps (the first
-compiles: its seconds are the compile column; the peak memory is that of the mode's warm-up, which the modes
-before it add to). The batch per GPU is fixed, so N GPUs process N times the tokens:
+compiles: its seconds are the compile column, in which the first mode of a process also pays the process's
+one-time costs and fills the cache folder the next one reads; the peak memory is that of the mode's warm-up,
+which the modes before it add to). The batch per GPU is fixed, so N GPUs process N times the tokens:
 scaling = tokens/s on N GPUs / tokens/s on one, for the same mode (N is ideal). Rank 0's times; the noise is
 (p80 - p20) / median over the steps. ``--profile DIR`` profiles five more steps of each mode after the timing (rank
 0's kernels by device time, NCCL's share in the rows). ``--out DIR`` writes bench_train_dist.json and .md (card,
@@ -84,7 +86,7 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
                                rank=rank, world_size=world)
     (entry, case), = [(e, c) for e, c in cases("full", device, [spec["model"]]) if c.task == "training"][:1]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    steps, times, losses, peak = {}, {}, {}, {}
+    steps, times, losses, peak, reports = {}, {}, {}, {}, {}
     for mode in spec["modes"]:  # each mode its own copy of the model (same seed), wrapper and optimizer
         model, make_inputs = prepare(entry, device, dtype)
         model.train()
@@ -94,8 +96,10 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         times[mode], losses[mode] = [], []
+        before = len(kpt_compiler.reports())
         for _ in range(WARMUP):  # the first compiles
             _timed(steps[mode], times[mode], losses[mode])
+        reports[mode] = kpt_compiler.reports()[before:]  # our backend's graphs of this mode (Inductor's: none)
         peak[mode] = torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None
     for _ in range(ROUNDS):  # in turn, so that a slower spell of the machine falls on every mode
         for mode in spec["modes"]:
@@ -103,7 +107,6 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
                 _timed(steps[mode], times[mode], losses[mode])
     profiles = {mode: _profile(steps[mode], spec, mode, rank) for mode in spec["modes"]} if spec.get("profile") else {}
     if rank == 0:
-        reports = kpt_compiler.reports()
         rows = []
         for mode in spec["modes"]:
             timed = times[mode][WARMUP:]
@@ -114,10 +117,9 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
                 "mode": mode, "compile_s": times[mode][0], "ms": median * 1e3, "noise": (q[7] - q[1]) / median,
                 "steps": len(timed), "tokens_s": world * case.batch * case.seq / median,
                 "first_loss": losses[mode][0], "last_loss": losses[mode][-1],
-                "graphs": len(reports) if mode == "kpt" else None,
-                "ddp_pieces": sum(any(n.startswith("DDP split") for n in r.notes) for r in reports) if mode == "kpt"
-                else None,
-                "fired": sorted({p for r in reports for p in r.fired()}) if mode == "kpt" else [],
+                "graphs": len(reports[mode]),
+                "ddp_pieces": sum(any(n.startswith("DDP split") for n in r.notes) for r in reports[mode]),
+                "fired": sorted({p for r in reports[mode] for p in r.fired()}),
                 "peak_mib": peak[mode], **profiles.get(mode, {})})
         with open(result_file, "w") as f:
             json.dump(rows, f)
@@ -146,7 +148,8 @@ def _profile(step, spec: dict, mode: str, rank: int) -> dict:
     def device_us(e) -> float:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
-    kernels = [e for e in events if device_us(e) > 0]
+    # the kernels themselves: a CPU op's event also carries the device time of the kernels it launched
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and device_us(e) > 0]
     nccl = sum(device_us(e) for e in kernels if "nccl" in e.key.lower())
     total = sum(device_us(e) for e in kernels)
     os.makedirs(spec["profile"], exist_ok=True)
@@ -248,7 +251,7 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
             lines.append(f"| {r['model']} | - | {r['setup']} | {r['gpus']} | {r['mode']} | error: {r['error']} |"
                          + " |" * 10)
             continue
-        graphs = f"{r['graphs']} ({r['ddp_pieces']})" if r["graphs"] is not None else "-"
+        graphs = f"{r['graphs']} ({r['ddp_pieces']})" if r["mode"] == "kpt" else "-"
         peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
         lines.append(
             f"| {r['model']} | {r['shape']} | {r['setup']} | {r['gpus']} | {r['mode']} | {r['compile_s']:.1f} | "

@@ -376,7 +376,6 @@ def test_bench_warm_compiles_cold_then_warm_from_one_cache(tmp_path):
     # Dynamo's share: most of a cold compile (Inductor's C++ build), less than the whole of either
     assert 0 < row["warm_compile_s"] < row["warm_s"] and 0.5 * row["cold_s"] < row["cold_compile_s"] < row["cold_s"]
     assert (tmp_path / "bench_warm.md").read_text().count("| tiny-gpt |") == 1
-    assert row["warm_autotune_s"] >= 0 and row["cold_autotunes"] >= 0  # the CPU has no autotuner to time
 
 
 def test_bench_warm_times_both_autotuners(monkeypatch):

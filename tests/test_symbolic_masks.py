@@ -4,7 +4,6 @@ sequence length (two lengths), runs the rewritten graph eagerly, and compares wi
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kpt_compiler
 from kpt_compiler.bench import relative_error
