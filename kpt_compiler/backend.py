@@ -194,9 +194,7 @@ def kernelpytorch(
     shown = {**opts.to_dict(), **({"KPT_DISABLE": list(opts.env_disable)} if opts.env_disable else {})}
     graph_report = report_mod._new_report(compile_id=_compile_id(), codegen=codegen, target=target.to_dict(),
                                           options=shown, rank=rank)
-    split = distributed.ddp_split()
-    if split:
-        graph_report.notes.append(split)
+    graph_report.notes += distributed.ddp_split()
     pm = PassManager(opts, target, graph_report, dump=dump, codegen=codegen, example_inputs=example_inputs)
     pm.check_requested_passes()
     report_mod._publish(graph_report)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import sys
 
+import torch.fx as fx
+
 _DDP_FILE = os.path.join("_dynamo", "backends", "distributed.py")
 
 
@@ -25,10 +27,12 @@ def rank() -> int | None:
     return None
 
 
-def ddp_split() -> str | None:
-    """A note for the report when the graph being compiled is a piece of DDPOptimizer's split (read off the
-    calling frames: DDPOptimizer.compile_fn holds the buckets, SubmodCompiler.run_node the piece), else None."""
-    piece, buckets = None, None
+def ddp_split() -> list[str]:
+    """Notes for the report when the graph being compiled is a piece of DDPOptimizer's split (read off the calling
+    frames: DDPOptimizer.compile_fn holds the buckets, the whole graph and each node's piece, SubmodCompiler.run_node
+    the piece being compiled), else none: that it is a piece, and each pattern of our passes that the split cut
+    whose first node lies in this piece (so that each cut is said once)."""
+    piece, buckets, partition = None, None, None
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -38,11 +42,81 @@ def ddp_split() -> str | None:
                 piece = str(local["n"].target)
             if code.co_name == "compile_fn" and isinstance(local.get("buckets"), list):
                 buckets = len(local["buckets"])
+                partition = local.get("partition_map") if isinstance(local.get("partition_map"), dict) else None
         frame = frame.f_back
     if piece is None and buckets is None or buckets == 1:  # one bucket: DDPOptimizer passes the graph whole
-        return None
+        return []
     of = f" of {buckets}" if buckets else ""
-    return (f"DDP split: this graph is one piece ({piece or '?'}){of} of Dynamo's graph, cut by DDPOptimizer at "
-            "DDP's gradient-bucket boundaries; a pattern across a cut is seen as two halves and not rewritten. "
-            "Fewer cuts: a larger DDP(bucket_cap_mb=...), or torch._dynamo.config.optimize_ddp = False (one "
-            "graph; DDP then overlaps less of its all-reduce with the backward)")
+    notes = [f"DDP split: this graph is one piece ({piece or '?'}){of} of Dynamo's graph, cut by DDPOptimizer at "
+             "DDP's gradient-bucket boundaries; a pattern across a cut is seen as two halves and not rewritten. "
+             "Fewer cuts: a larger DDP(bucket_cap_mb=...), or torch._dynamo.config.optimize_ddp = False (one "
+             "graph; DDP then overlaps less of its all-reduce with the backward)"]
+    if partition and piece and piece.startswith("submod_") and piece[7:].isdigit():
+        here = int(piece[7:])
+        notes += [f"DDP split near miss: the cut between {' and '.join(f'submod_{i}' for i in pieces)} runs through "
+                  f"{what}: no pass sees it whole" for first, what, pieces in cut_patterns(partition) if first == here]
+    return notes
+
+
+# what may stand between the two matrix products of an attention and its softmax (scale, mask, casts, dropout)
+_BETWEEN = {"mul", "div", "add", "masked_fill", "where", "cast", "dropout", "contiguous"}
+_NORMS = {"layer_norm", "rms_norm"}
+_ACTIVATIONS = {"gelu", "silu", "relu", "tanh"}
+
+
+def cut_patterns(partition: dict) -> list[tuple[int, str, list[int]]]:
+    """The patterns of our passes in DDPOptimizer's whole graph whose nodes fall in more than one piece:
+    (the piece of the first node, what and where, the pieces) for attention (matmul, softmax, matmul), parallel
+    linears of one input (merge-parallel-linears, fuse-gated-linear), an add feeding a norm (fuse-add-norm) and
+    a linear's activation or residual add (fuse-linear-epilogue). ``partition`` maps each node to its piece."""
+    from . import torch_ir as ir
+
+    if not partition:
+        return []
+    index = {n: i for i, n in enumerate(next(iter(partition)).graph.nodes)}  # graph order (the map's is not)
+    found = []
+
+    def cut(nodes: list, what: str) -> None:
+        nodes = sorted((n for n in nodes if n in partition), key=index.__getitem__)
+        pieces = sorted({partition[n] for n in nodes})
+        if len(pieces) > 1:
+            found.append((partition[nodes[0]], f"{what} (from {nodes[0].name})", pieces))
+
+    for node in index:  # every node: a placeholder's users may be parallel linears
+        kind = ir.kind(node)
+        if kind == "softmax":
+            up = _walk_up(node)
+            down = [u for u in _users_through(node) if ir.kind(u) == "matmul"]
+            if up is not None and down:
+                cut([up, node, *down], "attention (matmul, softmax, matmul)")
+        elif kind in _NORMS and ir.kind(ir.arg(node, "input")) == "add":
+            cut([ir.arg(node, "input"), node], f"add + {kind}")
+        elif kind == "linear" and len(node.users) == 1:
+            user = next(iter(node.users))
+            if ir.kind(user) in _ACTIVATIONS | {"add"}:
+                cut([node, user], f"linear + {ir.kind(user)}")
+        siblings = [u for u in node.users if ir.kind(u) == "linear" and ir.arg(u, "input") is node]
+        if len(siblings) > 1:
+            cut(siblings, f"{len(siblings)} parallel linears of {node.name}")
+    return found
+
+
+def _walk_up(node):
+    """The matrix product feeding a softmax through scale, mask and cast nodes, or None."""
+    from . import torch_ir as ir
+
+    x = ir.arg(node, "input")
+    while ir.kind(x) in _BETWEEN:
+        inputs = [ir.arg(x, "input")] + ([ir.arg(x, "other")] if ir.kind(x) == "where" else [])
+        x = next((i for i in inputs if isinstance(i, fx.Node) and ir.kind(i) in _BETWEEN | {"matmul"}), inputs[0])
+    return x if ir.kind(x) == "matmul" else None
+
+
+def _users_through(node) -> list:
+    """The users of ``node`` past dropout, cast and contiguous nodes."""
+    from . import torch_ir as ir
+
+    out = []
+    for u in node.users:
+        out += _users_through(u) if ir.kind(u) in ("dropout", "cast", "contiguous") else [u]
+    return out

@@ -31,3 +31,67 @@ def test_fp8_under_fsdp2_is_as_accurate_as_fp8_in_one_process(tmp_path):
     results, reference = runs.spawn(tmp_path, "gloo", {"codegen": "eager", "fp8": {"decide": "always"}},
                                     which=runs.FP8_RUNS)
     print(runs.check_fp8(results, reference))
+
+
+def _graph():
+    """Dynamo's spelling of a block: q/k/v linears of one input, attention, a linear + gelu, an add + norm."""
+    import torch
+    import torch.nn.functional as F
+
+    def block(x, wq, wk, wv, wo, r):
+        a = torch.matmul(F.linear(x, wq), F.linear(x, wk).transpose(-1, -2)) * 0.125
+        o = torch.matmul(F.dropout(F.softmax(a, dim=-1), 0.0, False), F.linear(x, wv))
+        h = F.gelu(F.linear(o, wo))
+        return F.layer_norm(h + r, (8,))
+
+    return torch.fx.symbolic_trace(block).graph
+
+
+def test_the_patterns_a_ddp_split_cuts_are_named_once_with_their_pieces():
+    from kpt_compiler.distributed import cut_patterns
+
+    graph = _graph()
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    named = {n.name: n for n in nodes}
+    assert cut_patterns({n: 0 for n in nodes}) == []  # one piece: nothing cut
+
+    def pieces(cut_before: str) -> dict:  # DDPOptimizer's partition: nodes before the cut in 0, the rest in 1
+        order = [n.name for n in nodes]
+        return {n: int(order.index(n.name) >= order.index(cut_before)) for n in nodes}
+
+    assert [(p, w) for p, w, _ in cut_patterns(pieces("linear_1"))] == [(0, "3 parallel linears of x (from linear)")]
+    (piece, what, where), = cut_patterns(pieces("matmul_1"))  # softmax in 0, its second product in 1
+    assert (piece, what, where) == (0, "attention (matmul, softmax, matmul) (from matmul)", [0, 1])
+    assert [w for _, w, _ in cut_patterns(pieces("gelu"))] == ["linear + gelu (from linear_3)"]
+    assert [w for _, w, _ in cut_patterns(pieces("layer_norm"))] == ["add + layer_norm (from add)"]
+    # a cut elsewhere leaves these whole: between the attention's second product and the next linear
+    assert cut_patterns(pieces(named["linear_3"].name)) == []
+
+
+def test_a_ddp_piece_names_the_patterns_its_cut_runs_through(tmp_path):
+    """One gloo process: a small Llama's 1 MB DDP buckets end between its gate and up projections; the piece that
+    holds the first of them says so, and only that piece."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import kpt_compiler
+    from kpt_compiler.bench import first_tensor
+    from kpt_compiler.models.zoo import build
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net, make = build("llama", attn="eager", n_layer=2, hidden=256, heads=4, kv_heads=2, intermediate=1024)
+        compiled = torch.compile(DDP(net, bucket_cap_mb=1), backend="kernelpytorch", options={"codegen": "eager"})
+        first_tensor(compiled(*make(2, 16, "cpu"))).float().pow(2).mean().backward()
+    finally:
+        dist.destroy_process_group()
+    misses = [n for r in kpt_compiler.reports() for n in r.notes if n.startswith("DDP split near miss")]
+    assert len(misses) == 2 and all("2 parallel linears of" in n and "no pass sees it whole" in n for n in misses), \
+        misses  # gate and up of each layer
+    assert len({n.split("runs through")[0] for n in misses}) == 2  # two different cuts, each said once
+    for report in kpt_compiler.reports():  # said by the piece that holds the pattern's first node
+        piece = report.notes[0].split("(")[1].split(")")[0]
+        assert all(n.startswith(f"DDP split near miss: the cut between {piece} and ") for n in report.notes[1:]), \
+            report.notes
