@@ -1,6 +1,7 @@
 """benchmarks/bench_decode.py on the CPU: a tiny Llama decoded with a static cache, eager and kpt modes."""
 
 import json
+import math
 import os
 
 import pytest
@@ -28,7 +29,10 @@ def test_tiny_decode_on_cpu(tmp_path):
     for mode in ("eager", "kpt", "kpt[no-cudagraphs]"):
         row = rows[mode]
         assert row["status"] == "ok", row["status"]
-        assert isinstance(row["ms_per_token"], float) and row["ms_per_token"] > 0
+        # a timing, not asserted on: on the CPU's tiny model generate(8) - generate(1) is within the noise and
+        # came out negative once in CI (2 cores); only that it is a figure from each repeat
+        assert isinstance(row["ms_per_token"], float) and math.isfinite(row["ms_per_token"])
+        assert len(row["per_token_ms"]) == record["repeats"] >= 1
         assert len(row["tokens"]) == 8
         assert row["vs_reference"] == "identical" and row["vs_eager"] == "identical"
     assert rows["kpt"]["compile_kwargs"]["options"] == {"codegen": "eager"}
