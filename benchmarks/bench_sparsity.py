@@ -46,7 +46,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kpt_compiler.bench import git_commit, relative_error, timing_ms
+from kpt_compiler.bench import relative_error, timing_ms
 from kpt_compiler.kernels import sparse24_linear as kernel
 from kpt_compiler.lossy_guard import sqnr_db
 from kpt_compiler.passes._fp8_recipes import E4M3, quantize
@@ -54,6 +54,7 @@ from kpt_compiler.passes._fp8_static import fp8_linear_static
 from kpt_compiler.passes._sparse24 import prune_2_4
 
 from .bench_rms_norm import require_cuda, write_out
+from .outputs import run_meta
 
 LLAMA = {(4096, 4096): "Llama-3-8B attn", (14336, 4096): "Llama-3-8B MLP up", (4096, 14336): "Llama-3-8B MLP down"}
 ZOO_LLAMA = 1024, 1024 * 11 // 4, 8 * 1024  # hidden, intermediate, batch x seq of benchmarks/zoo.py's llama-eager
@@ -276,11 +277,9 @@ def main(argv=None) -> int:
     if args.mlps or (args.mlps is None and args.device == "cuda" and not args.shapes):
         layers += [(layer, n, k, [m]) for layer, n, k, m in MLPS]
     rows = run(layers, args.device, args.rep_ms)
-    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    command = ("python -m benchmarks.bench_sparsity " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    table = markdown(rows, command, card, git_commit())
-    meta = {"card": card, "torch": torch.__version__, "date": str(datetime.date.today()), "commit": git_commit(),
-            "command": command, "columns": list(COLUMNS), "cusparselt": torch.backends.cusparselt.version()}
+    meta = {**run_meta("bench_sparsity", argv, args.device), "columns": list(COLUMNS),
+            "cusparselt": torch.backends.cusparselt.version()}
+    table = markdown(rows, meta["command"], meta["card"], meta["commit"])
     write_out(args.out, "bench_sparsity", meta, rows, table)
     print(table)
     return 0

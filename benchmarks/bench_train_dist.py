@@ -7,22 +7,22 @@ FSDP2, with tokens per second and the scaling from one GPU.
 
 Each setup runs in new processes (``torch.multiprocessing.spawn``, one per GPU, NCCL; on the CPU gloo) over a new
 Inductor cache folder; the modes share them, each with its own copy of the model, timed in turn (five rounds of
-``--steps`` / 5 steps each), so that a slow spell of the machine falls on all of them (DDP on the H200s moved by
-40% between two runs of one mode). Every rank builds the zoo model (benchmarks/zoo.py, its training case: batch x
-seq tokens per rank, bf16 on CUDA and fp32 on the CPU), wraps it (``1gpu``: one process, no wrapper; ``ddp``:
-DistributedDataParallel with Dynamo's DDPOptimizer on, as by default; ``fsdp2``: ``fully_shard`` on each block and
-then the model, the whole compiled, where Dynamo breaks the graph at FSDP2's hooks (a graph per block and
-pieces around them: the reports count them); ``fsdp2-blocks``: each block compiled on its own before sharding,
-as torchtitan does, and the rest eager), compiles it, and times ``--steps`` steps of forward, cross-entropy against fixed random tokens,
-backward and AdamW (foreach), each step ended by a device synchronisation, after three untimed steps (the first
-compiles: its seconds are the compile column, in which the first mode of a process also pays the process's
-one-time costs and fills the cache folder the next one reads; the peak memory is that of the mode's warm-up,
-which the modes before it add to). The batch per GPU is fixed, so N GPUs process N times the tokens:
-scaling = tokens/s on N GPUs / tokens/s on one, for the same mode (N is ideal). Rank 0's times; the noise is
-(p80 - p20) / median over the steps. ``--profile DIR`` profiles five more steps of each mode after the timing (rank
-0's kernels by device time, NCCL's share in the rows). ``--out DIR`` writes bench_train_dist.json and .md (card,
-date, commit, command). NVLink multicast stays off (NCCL_NVLS_ENABLE=0), as the lent machines ask.
-"""
+``--steps`` / 5 steps each), so that a slow spell of the machine falls on all of them (Inductor's DDP step on the
+H200s went from 26.6 to 18.6 ms between two runs of one mode, results/nvidia-h200/2026-11-27-s17-train-dist-*).
+Every rank builds the zoo model (benchmarks/zoo.py, its training case: batch x seq tokens per rank, bf16 on CUDA
+and fp32 on the CPU), wraps it (``1gpu``: one process, no wrapper; ``ddp``: DistributedDataParallel with Dynamo's
+DDPOptimizer on, as by default; ``fsdp2``: ``fully_shard`` on each block and then the model, the whole compiled,
+where Dynamo breaks the graph at FSDP2's hooks (a graph per block and pieces around them: the reports count them);
+``fsdp2-blocks``: each block compiled on its own before sharding, as torchtitan does, and the rest eager), compiles
+it, and times ``--steps`` steps of forward, cross-entropy against fixed random tokens, backward and AdamW
+(foreach), each step ended by a device synchronisation, after three untimed steps (the first compiles: its seconds
+are the compile column, in which the first mode of a process also pays the process's one-time costs and fills the
+cache folder the next one reads; the peak memory is that of the mode's warm-up, which the modes before it add to).
+The batch per GPU is fixed, so N GPUs process N times the tokens: scaling = tokens/s on N GPUs / tokens/s on one,
+for the same mode (N is ideal). Rank 0's times; the noise is (p80 - p20) / median over the steps. ``--profile DIR``
+profiles five more steps of each mode after the timing (rank 0's kernels by device time, NCCL's share in the rows).
+``--out DIR`` writes bench_train_dist.json and .md (card, date, commit, command). NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0), as the lent machines ask. """
 
 from __future__ import annotations
 
@@ -31,15 +31,14 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-from kpt_compiler.bench import git_commit
 
 from .bench_rms_norm import write_out
+from .outputs import run_meta
 
 MODES = ("inductor", "kpt")
 SETUPS = ("1gpu", "ddp", "fsdp2", "fsdp2-blocks")
@@ -259,7 +258,8 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
             + (f"{r['scaling']:.2f}x" if "scaling" in r else "-") + " | "
             + (f"{r['vs_inductor']:.2f}x" if "vs_inductor" in r else "-") + f" | {graphs} | {peak} | "
             f"{', '.join(r['fired']) or '-'} | {r['first_loss']:.3f}, {r['last_loss']:.3f} | "
-            + (f"{r['profile_wall_ms']:.2f}, {r['device_ms']:.2f} ({r['nccl_ms']:.2f}) |" if "device_ms" in r else "- |"))
+            + (f"{r['profile_wall_ms']:.2f}, {r['device_ms']:.2f} ({r['nccl_ms']:.2f}) |" if "device_ms" in r
+               else "- |"))
     return "\n".join(lines)
 
 
@@ -286,15 +286,12 @@ def main(argv=None) -> int:
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown:
         raise SystemExit(f"error: unknown setup(s) {unknown}; known: {', '.join(SETUPS)}")
-    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    command = ("python -m benchmarks.bench_train_dist " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    meta = {"card": card, "torch": torch.__version__, "commit": git_commit(), "date": str(datetime.date.today()),
-            "command": command}
+    meta = run_meta("bench_train_dist", argv, args.device)
     rows: list[dict] = []
     for setup in setups:
         rows += run_setup(setup, [m for m in args.modes.split(",") if m], args.gpus, args)
         add_ratios(rows)
-        table = markdown(rows, command, card, meta["commit"])
+        table = markdown(rows, meta["command"], meta["card"], meta["commit"])
         write_out(args.out, "bench_train_dist", meta, rows, table)  # after each setup: a killed run keeps them
     print(table)
     return 0

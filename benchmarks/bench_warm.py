@@ -30,9 +30,9 @@ import time
 
 import torch
 
-from kpt_compiler.bench import git_commit
 
 from .bench_rms_norm import write_out
+from .outputs import run_meta
 from .zoo import cases
 
 MODES = ("kpt", "inductor")
@@ -170,15 +170,12 @@ def main(argv=None) -> int:
         return 0
     names = args.models.split(",") if args.models else None
     models = list(dict.fromkeys(e.name for e, c in cases("quick", args.device, names) if c.task == "inference"))
-    card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    command = ("python -m benchmarks.bench_warm " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    meta = {"card": card, "torch": torch.__version__, "date": str(datetime.date.today()), "commit": git_commit(),
-            "command": command}
+    meta = run_meta("bench_warm", argv, args.device)
     rows: list[dict] = []
     for name in models:
         for mode in modes:
             rows.append(run_case(name, mode, args.device))
-            table = markdown(rows, command, card, meta["commit"])
+            table = markdown(rows, meta["command"], meta["card"], meta["commit"])
             write_out(args.out, "bench_warm", meta, rows, table)  # after each row: a killed run keeps them
     print(table)
     return 0

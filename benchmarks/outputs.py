@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["write_json", "markdown", "write_markdown", "write_plot", "progress_line", "write_bench"]
+__all__ = ["write_json", "markdown", "write_markdown", "write_plot", "progress_line", "write_bench", "run_meta"]
 
 COLUMNS = ("model", "task", "shape", "dtype", "mode", "compile s", "median ms", "noise %", "vs Inductor",
            "peak MiB", "rel err", "passes fired", "status")
@@ -34,6 +34,22 @@ def write_bench(out: str, name: str, record: dict, table: str) -> None:
         json.dump({**stamp, **record}, f, indent=1)
     with open(os.path.join(out, f"{name}.md"), "w") as f:
         f.write(table + "\n")
+
+
+def run_meta(module: str, argv: list[str] | None, device: str) -> dict:
+    """What a benchmark's files are stamped with: card, torch, date, commit and the command that ran
+    (``python -m benchmarks.<module>`` and its arguments: ``argv``, else the process's)."""
+    import datetime
+    import sys
+
+    import torch
+
+    from kpt_compiler.bench import git_commit
+
+    args = sys.argv[1:] if argv is None else argv
+    return {"card": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "date": str(datetime.date.today()), "commit": git_commit(),
+            "command": f"python -m benchmarks.{module} {' '.join(args)}".strip()}
 
 
 def _ms(x: float) -> str:

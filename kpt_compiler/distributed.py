@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 import sys
 
-import torch.fx as fx
-
 _DDP_FILE = os.path.join("_dynamo", "backends", "distributed.py")
 
 
@@ -58,17 +56,15 @@ def ddp_split() -> list[str]:
     return notes
 
 
-# what may stand between the two matrix products of an attention and its softmax (scale, mask, casts, dropout)
-_BETWEEN = {"mul", "div", "add", "masked_fill", "where", "cast", "dropout", "contiguous"}
-_NORMS = {"layer_norm", "rms_norm"}
-_ACTIVATIONS = {"gelu", "silu", "relu", "tanh"}
-
-
 def cut_patterns(partition: dict) -> list[tuple[int, str, list[int]]]:
-    """The patterns of our passes in DDPOptimizer's whole graph whose nodes fall in more than one piece:
-    (the piece of the first node, what and where, the pieces) for attention (matmul, softmax, matmul), parallel
-    linears of one input (merge-parallel-linears, fuse-gated-linear), an add feeding a norm (fuse-add-norm) and
-    a linear's activation or residual add (fuse-linear-epilogue). ``partition`` maps each node to its piece."""
+    """The patterns of our passes in DDPOptimizer's whole graph whose nodes fall in more than one piece, found by
+    the passes' own matchers: (the piece of the first node, what and where, the pieces) for attention
+    (passes/_attention_match.py), parallel linears of one input (merge-parallel-linears' groups, which
+    fuse-gated-linear's gate and up are too), an add feeding a norm (fuse-add-norm, Llama's hand-written RMSNorm
+    included) and a linear's epilogue (fuse-linear-epilogue). ``partition`` maps each node but the placeholders
+    and the output to its piece."""
+    from kpt_compiler.passes import _attention_match, fuse_add_norm, fuse_linear_epilogue, merge_parallel_linears
+
     from . import torch_ir as ir
 
     if not partition:
@@ -83,40 +79,18 @@ def cut_patterns(partition: dict) -> list[tuple[int, str, list[int]]]:
             found.append((partition[nodes[0]], f"{what} (from {nodes[0].name})", pieces))
 
     for node in index:  # every node: a placeholder's users may be parallel linears
-        kind = ir.kind(node)
-        if kind == "softmax":
-            up = _walk_up(node)
-            down = [u for u in _users_through(node) if ir.kind(u) == "matmul"]
-            if up is not None and down:
-                cut([up, node, *down], "attention (matmul, softmax, matmul)")
-        elif kind in _NORMS and ir.kind(ir.arg(node, "input")) == "add":
-            cut([ir.arg(node, "input"), node], f"add + {kind}")
-        elif kind == "linear" and len(node.users) == 1:
-            user = next(iter(node.users))
-            if ir.kind(user) in _ACTIVATIONS | {"add"}:
-                cut([node, user], f"linear + {ir.kind(user)}")
-        siblings = [u for u in node.users if ir.kind(u) == "linear" and ir.arg(u, "input") is node]
-        if len(siblings) > 1:
-            cut(siblings, f"{len(siblings)} parallel linears of {node.name}")
+        if ir.kind(node) == "softmax":
+            attention = _attention_match.match(node)
+            if isinstance(attention, _attention_match.Attention):
+                cut([*attention.chain, attention.out], "attention")
+        if ir.kind(node) == "linear":
+            last = fuse_linear_epilogue._epilogue_of(node)[0]
+            if last is not node:
+                cut([node, last], "a linear and its epilogue")
+        norm = fuse_add_norm._norm_call(node)
+        if norm is not None and ir.kind(norm[0]) == "add":
+            cut([norm[0], node], f"add + {norm[-1]}")
+        for group in merge_parallel_linears._groups(node).values():
+            if len(group) > 1:
+                cut(group, f"{len(group)} parallel linears of {node.name}")
     return found
-
-
-def _walk_up(node):
-    """The matrix product feeding a softmax through scale, mask and cast nodes, or None."""
-    from . import torch_ir as ir
-
-    x = ir.arg(node, "input")
-    while ir.kind(x) in _BETWEEN:
-        inputs = [ir.arg(x, "input")] + ([ir.arg(x, "other")] if ir.kind(x) == "where" else [])
-        x = next((i for i in inputs if isinstance(i, fx.Node) and ir.kind(i) in _BETWEEN | {"matmul"}), inputs[0])
-    return x if ir.kind(x) == "matmul" else None
-
-
-def _users_through(node) -> list:
-    """The users of ``node`` past dropout, cast and contiguous nodes."""
-    from . import torch_ir as ir
-
-    out = []
-    for u in node.users:
-        out += _users_through(u) if ir.kind(u) in ("dropout", "cast", "contiguous") else [u]
-    return out

@@ -102,7 +102,7 @@ class PassContext:
     explicit: bool = False
     # CUDA graphs are asked for: a mode that captures, or the cudagraphs pass with decide="always", under Inductor
     # (under "auto" it decides later, on the rewritten graph); whether this graph can be captured (its inputs'
-    # devices, dynamic sizes, host syncs) is passes/cudagraphs.py's _refusal
+    # devices, dynamic sizes, host syncs) is passes/cudagraphs.py's graph_refusal
     cuda_graphs: bool = False
 
     def count(self, stat: str = "matches", n: int = 1) -> None:

@@ -67,11 +67,17 @@ class Fp8WeightTensor(ReleasedWeight):
         return w.t() if self.transposed else w
 
 
+def bias_after(bias, x) -> bool:
+    """Whether an fp8 layer adds its bias after the GEMM: cuBLAS's fp8 GEMM takes a bias only with a 16-bit
+    output, and for a float32 layer torch._scaled_mm raises "Bias is not supported when out_dtype is set to
+    Float32" on CUDA (torch 2.11, H200; the CPU's takes it)."""
+    return bias is not None and x.dtype == torch.float32 and x.device.type == "cuda"
+
+
 def fp8_linear_released(x: torch.Tensor, w: Fp8WeightTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, w, bias)`` (``x @ w + bias`` where the weight is stored [K, N]) on a released weight's e4m3
-    values: the same GEMM as ``fp8_linear_static`` (a float32 layer on CUDA adds its bias after: cuBLAS's fp8
-    GEMM takes one only with a 16-bit output)."""
-    if bias is not None and x.dtype == torch.float32 and x.is_cuda:
+    values: the same GEMM as ``fp8_linear_static`` (the bias added after it where ``bias_after``)."""
+    if bias_after(bias, x):
         return _fp8_static.fp8_linear_static(x, w.w8, w.scale, granularity=w.granularity) + bias
     return _fp8_static.fp8_linear_static(x, w.w8, w.scale, bias, granularity=w.granularity)
 

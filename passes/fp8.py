@@ -140,7 +140,7 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> bool:
             else:
                 if transposed:  # addmm(b, x, W) with W [K, N], as GPT-2's Conv1D: the linear of W^T
                     w = ir.emit(gm.graph, torch.t, (w,), like=node)
-                new = ir.emit(gm.graph, fp8_linear_bias_after if _bias_after(b, xv) else fp8_linear,
+                new = ir.emit(gm.graph, fp8_linear_bias_after if _fp8_release.bias_after(b, xv) else fp8_linear,
                               (x, w, b), {"recipe": recipe}, like=node, fake_fn=lambda x, w, b, **_: F.linear(x, w, b))
                 exact = _exact
         node.replace_all_uses_with(new)
@@ -196,19 +196,15 @@ def _emit_static(gm, node, x, b, param, recipe, transposed):
     fake_mode = ir.example_value(x).fake_mode
     consts = [ir.add_constant(gm, f"_kpt_fp8_{kind}_{node.name}", tensor, fake_mode)
               for kind, tensor in (("w8", weight.w8), ("scale", weight.scale))]
-    fn = fp8_linear_static_bias_after if _bias_after(b, ir.example_value(x)) else _fp8_static.fp8_linear_static
+    fn = _fp8_static.fp8_linear_static
+    if _fp8_release.bias_after(b, ir.example_value(x)):  # cuBLAS takes no bias with a float32 output
+        fn = fp8_linear_static_bias_after
     new = ir.emit(gm.graph, fn, (x, *consts, b), {"granularity": granularity}, like=node)
     w = param.detach().t() if transposed else param.detach()
     return new, lambda x, _w8, _scale, b=None, **_: F.linear(x, w, b), weight
 
 
-def _bias_after(b, x) -> bool:
-    """cuBLAS's fp8 GEMM takes a bias only with a 16-bit output: for a float32 layer torch._scaled_mm raises "Bias
-    is not supported when out_dtype is set to Float32" on CUDA (torch 2.11, H200; the CPU's takes it). Those
-    layers add their bias after."""
-    return b is not None and x.dtype == torch.float32 and x.device.type == "cuda"
-
-
+# where _fp8_release.bias_after: the bias added after the fp8 GEMM
 def fp8_linear_bias_after(x, w, b, *, recipe):
     return fp8_linear(x, w, recipe=recipe) + b
 

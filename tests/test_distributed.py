@@ -7,6 +7,7 @@ under NCCL on two GPUs."""
 import pytest
 
 import distributed_runs as runs
+from kpt_compiler import torch_ir as ir
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,8 @@ def test_fp8_under_fsdp2_is_as_accurate_as_fp8_in_one_process(tmp_path):
 
 
 def _graph():
-    """Dynamo's spelling of a block: q/k/v linears of one input, attention, a linear + gelu, an add + norm."""
+    """Dynamo's graph of a block, with its example values (the matchers read them): q/k/v linears of one input,
+    attention, a linear + gelu, an add + layer norm."""
     import torch
     import torch.nn.functional as F
 
@@ -44,28 +46,33 @@ def _graph():
         h = F.gelu(F.linear(o, wo))
         return F.layer_norm(h + r, (8,))
 
-    return torch.fx.symbolic_trace(block).graph
+    graphs = []
+    torch.compile(block, backend=lambda gm, _: graphs.append(gm) or gm.forward, fullgraph=True)(
+        *(torch.randn(2, 4, 8), *(torch.randn(8, 8) for _ in range(4)), torch.randn(2, 4, 8)))
+    return graphs[0].graph
 
 
 def test_the_patterns_a_ddp_split_cuts_are_named_once_with_their_pieces():
     from kpt_compiler.distributed import cut_patterns
 
     graph = _graph()
-    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    named = {n.name: n for n in nodes}
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output")]  # as DDPOptimizer's partition
+    x = next(n for n in graph.nodes if n.op == "placeholder")
+    kinds = [ir.kind(n) for n in nodes]
     assert cut_patterns({n: 0 for n in nodes}) == []  # one piece: nothing cut
 
-    def pieces(cut_before: str) -> dict:  # DDPOptimizer's partition: nodes before the cut in 0, the rest in 1
-        order = [n.name for n in nodes]
-        return {n: int(order.index(n.name) >= order.index(cut_before)) for n in nodes}
+    def cut_before(kind: str, nth: int = 0) -> dict:  # nodes before the nth node of a kind in piece 0, the rest 1
+        at = [i for i, k in enumerate(kinds) if k == kind][nth]
+        return {n: int(i >= at) for i, n in enumerate(nodes)}
 
-    assert [(p, w) for p, w, _ in cut_patterns(pieces("linear_1"))] == [(0, "3 parallel linears of x (from linear)")]
-    (piece, what, where), = cut_patterns(pieces("matmul_1"))  # softmax in 0, its second product in 1
-    assert (piece, what, where) == (0, "attention (matmul, softmax, matmul) (from matmul)", [0, 1])
-    assert [w for _, w, _ in cut_patterns(pieces("gelu"))] == ["linear + gelu (from linear_3)"]
-    assert [w for _, w, _ in cut_patterns(pieces("layer_norm"))] == ["add + layer_norm (from add)"]
-    # a cut elsewhere leaves these whole: between the attention's second product and the next linear
-    assert cut_patterns(pieces(named["linear_3"].name)) == []
+    assert [(p, w) for p, w, _ in cut_patterns(cut_before("linear", 1))] == [
+        (0, f"3 parallel linears of {x.name} (from {nodes[kinds.index('linear')].name})")]
+    (piece, what, pieces), = cut_patterns(cut_before("matmul", 1))  # the softmax in 0, its second product in 1
+    assert piece == 0 and what.startswith("attention (from ") and pieces == [0, 1]
+    assert [w.split(" (")[0] for _, w, _ in cut_patterns(cut_before("gelu"))] == ["a linear and its epilogue"]
+    assert [w.split(" (")[0] for _, w, _ in cut_patterns(cut_before("layer_norm"))] == ["add + layer_norm"]
+    # a cut elsewhere leaves them whole: after the attention, before the next linear
+    assert cut_patterns(cut_before("linear", 3)) == []
 
 
 def test_a_ddp_piece_names_the_patterns_its_cut_runs_through(tmp_path):
