@@ -14,7 +14,9 @@ restart on the same machine would. Columns: the two times, their ratio, the FX-g
 and for kpt the passes that fired in each run (our pre_aot passes run again on the warm compile, and the report
 says where the code came from). Inductor's FX-graph and AOTAutograd caches key on our pipeline
 (kpt_compiler/pass_manager.py's fingerprint). The issue asks for warm at least 3x faster than cold. ``--out DIR``
-writes bench_warm.json and bench_warm.md (card, date, commit, command).
+writes bench_warm.json and bench_warm.md (card, date, commit, command). ``--profile DIR`` runs a third, warm child
+under cProfile (its times are not in the table: the profiler slows it) and writes DIR/<model>-<mode>-warm.txt: the
+functions by cumulative and by own time, to say where a warm compile's seconds go.
 """
 
 from __future__ import annotations
@@ -104,7 +106,24 @@ def _time_autotuning() -> dict:
     return totals
 
 
-def run_case(model_name: str, mode: str, device: str) -> dict:
+def _profiled(path: str, fn, *args):
+    """``fn(*args)`` under cProfile; the statistics by cumulative time and by own time go to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    result = profiler.runcall(fn, *args)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    return result
+
+
+def run_case(model_name: str, mode: str, device: str, profile: str | None = None) -> dict:
     """Cold then warm, each a new process, over one new cache folder."""
     with tempfile.TemporaryDirectory() as cache:
         # Triton's cache too (the kernels it built, our own included): a cold run builds every kernel, as on a new
@@ -112,13 +131,17 @@ def run_case(model_name: str, mode: str, device: str) -> dict:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
                "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
         runs = []
-        for _ in ("cold", "warm"):
-            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_warm", "--child", model_name, "--modes", mode,
-                                  "--device", device], env=env, capture_output=True, text=True, timeout=1800)
+        for run in ("cold", "warm") + (("profiled",) if profile else ()):
+            command = [sys.executable, "-m", "benchmarks.bench_warm", "--child", model_name, "--modes", mode,
+                       "--device", device]
+            if run == "profiled":
+                os.makedirs(profile, exist_ok=True)
+                command += ["--profile", os.path.join(profile, f"{model_name}-{mode}-warm.txt")]
+            out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
             if out.returncode:
                 return {"model": model_name, "mode": mode, "error": out.stderr.strip().splitlines()[-1][:300]}
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
+    cold, warm = runs[:2]
     row = {**{k: cold[k] for k in ("model", "shape", "mode")}, "cold_s": cold["seconds"], "warm_s": warm["seconds"],
            "cold_compile_s": cold["compile_s"], "warm_compile_s": warm["compile_s"],
            "cold_autotune_s": cold["autotune_s"], "warm_autotune_s": warm["autotune_s"],
@@ -162,11 +185,15 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write bench_warm.json and bench_warm.md here")
+    p.add_argument("--profile", default=None, help="profile each warm child (cProfile) into this folder")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if args.child:
-        print(json.dumps(child(args.child, modes[0], args.device)))
+        if args.profile:
+            print(json.dumps(_profiled(args.profile, child, args.child, modes[0], args.device)))
+        else:
+            print(json.dumps(child(args.child, modes[0], args.device)))
         return 0
     names = args.models.split(",") if args.models else None
     models = list(dict.fromkeys(e.name for e, c in cases("quick", args.device, names) if c.task == "inference"))
@@ -174,7 +201,7 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for name in models:
         for mode in modes:
-            rows.append(run_case(name, mode, args.device))
+            rows.append(run_case(name, mode, args.device, args.profile))
             table = markdown(rows, meta["command"], meta["card"], meta["commit"])
             write_out(args.out, "bench_warm", meta, rows, table)  # after each row: a killed run keeps them
     print(table)
