@@ -117,3 +117,94 @@ def test_a_changed_pass_source_changes_the_fingerprint(tmp_path, monkeypatch):
         assert fp() != before
     finally:
         unregister_pass("test-edited-pass")
+
+
+class _Kernel:
+    """Stands for a @triton.jit function: the cache reads only its name and cache key."""
+
+    def __init__(self, cache_key: str):
+        self.cache_key, self.__name__ = cache_key, "fake_kernel"
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launches.append(meta)
+
+
+class _Autotuned:
+    def __init__(self, choice: dict):
+        self.tuned, self.choice = 0, choice
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.tuned += 1
+            self.best_config = type("Config", (), {"all_kwargs": lambda _: dict(self.choice)})()
+        return run
+
+
+@pytest.fixture
+def choices_on_disk(tmp_path, monkeypatch):
+    """The autotune cache as on a GPU: enabled, a card's name, Inductor's cache folder in tmp_path."""
+    from kpt_compiler.kernels import _launch, _tuned_cache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_tuned_cache, "_disabled", lambda: False)
+    card = {"name": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(_tuned_cache, "_card", lambda index: card["name"])
+    monkeypatch.setattr(_tuned_cache.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_chosen", _tuned_cache.ChoicesOnDisk())
+
+    def restart():  # a new process: nothing chosen in memory
+        monkeypatch.setattr(_launch, "_chosen", _tuned_cache.ChoicesOnDisk())
+    return _launch, restart, card
+
+
+def test_a_restarted_process_launches_the_choice_its_predecessor_tuned(choices_on_disk):
+    _launch, restart, _ = choices_on_disk
+    kernel, key = _Kernel("source-1"), (4096, 1024, 1024, "torch.bfloat16")
+    autotuned = _Autotuned({"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8})
+    assert _launch.launch_tuned(autotuned, kernel, key, (1,), (), {"ACT": "silu"}) == autotuned.choice
+    assert autotuned.tuned == 1 and kernel.launches == []
+    restart()
+    again = _Autotuned({"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4})  # would choose otherwise: must not run
+    assert _launch.launch_tuned(again, kernel, key, (1,), (), {"ACT": "silu"}) == autotuned.choice
+    assert again.tuned == 0
+    assert kernel.launches == [{"ACT": "silu", **autotuned.choice}]
+
+
+def test_a_changed_kernel_key_or_card_tunes_again(choices_on_disk):
+    _launch, restart, card = choices_on_disk
+    key = (4096, 1024, 1024, "torch.bfloat16")
+    _launch.launch_tuned(_Autotuned({"BLOCK_M": 128}), _Kernel("source-1"), key, (1,), (), {})
+    for kernel, k in ((_Kernel("source-2"), key), (_Kernel("source-1"), (8192,) + key[1:]),
+                      (_Kernel("source-1"), key[:3] + ("torch.float16",))):
+        restart()
+        tuner = _Autotuned({"BLOCK_M": 64})
+        _launch.launch_tuned(tuner, kernel, k, (1,), (), {})
+        assert tuner.tuned == 1, (kernel.cache_key, k)
+    restart()
+    card["name"] = "NVIDIA H200"
+    tuner = _Autotuned({"BLOCK_M": 64})
+    _launch.launch_tuned(tuner, _Kernel("source-1"), key, (1,), (), {})
+    assert tuner.tuned == 1
+
+
+def test_inductor_force_disable_caches_turns_the_autotune_files_off(choices_on_disk, monkeypatch):
+    from torch._inductor import config
+
+    from kpt_compiler.kernels import _tuned_cache
+
+    _launch, restart, _ = choices_on_disk
+    monkeypatch.setattr(_tuned_cache, "_disabled", lambda: bool(config.force_disable_caches))
+    key = (64, 64, 64, "torch.bfloat16")
+    _launch.launch_tuned(_Autotuned({"BLOCK_M": 16}), _Kernel("k"), key, (1,), (), {})
+    restart()
+    with config.patch(force_disable_caches=True):
+        tuner = _Autotuned({"BLOCK_M": 16})
+        _launch.launch_tuned(tuner, _Kernel("k"), key, (1,), (), {})
+    assert tuner.tuned == 1
+
+
+def test_the_kernels_package_installs_the_autotune_files():
+    from kpt_compiler.kernels import _launch, _tuned_cache
+
+    assert isinstance(_launch._chosen, _tuned_cache.ChoicesOnDisk)
