@@ -19,6 +19,7 @@ runs after an emitter returns (``PassManager.run_wrap_stage``, called by the bac
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -76,6 +77,7 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: Pass
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     patches = inductor_config_patches(pm)
+    patches["unsafe_marked_cacheable_functions"] = _cacheable_functions(gm, pm)
     caches = contextlib.nullcontext()
     if pm.dump is not None:
         caches = torch._functorch.config.patch(enable_autograd_cache=False)
@@ -98,6 +100,22 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: Pass
             "this process (they ran when the entry was made); set dump_dir to compile afresh and see them run"
         )
     return compiled
+
+
+def _cacheable_functions(gm: fx.GraphModule, pm: PassManager) -> dict[str, str]:
+    """Inductor's ``unsafe_marked_cacheable_functions`` with the plain functions our pre_aot passes put in the
+    graph (``merged_linear_static``, ``folded_weight``, ...). AOTAutograd's cache skips a graph that calls a
+    function it does not know (a warm llama compile traced everything again: merge-parallel-linears), though
+    ours are pure and what they do is in ``pm.fingerprint()`` (our package's source): that is their key."""
+    from torch._inductor import config as inductor_config
+
+    marked = dict(inductor_config.unsafe_marked_cacheable_functions)
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, types.FunctionType) and \
+                (target.__module__ or "").startswith("kpt_compiler."):
+            marked[f"{target.__module__}.{target.__name__}"] = pm.fingerprint()
+    return marked
 
 
 def _boxed(gm: fx.GraphModule) -> Callable:

@@ -46,6 +46,41 @@ def _check_cache_keys():
     assert "came from Inductor's cache" in report.table()
 
 
+@pytest.mark.inductor
+def test_a_graph_with_our_functions_is_taken_from_the_autograd_cache(tmp_path, monkeypatch):
+    """merge-parallel-linears puts a plain function of ours (merged_linear_static) into the graph;
+    AOTAutograd's cache passes over graphs calling functions it does not know unless they are marked cacheable.
+    The second compile of the same model must come from it, not be traced again."""
+    import torch.nn.functional as F
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._inductor import config
+
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (torch.nn.Linear(32, 32, bias=False) for _ in range(3))
+
+        def forward(self, x):
+            return F.relu(self.q(x)) + self.k(x) * self.v(x)
+
+    model, x = QKV().eval(), torch.randn(8, 32)
+    options = {"fusion": {"decide": "always"}, "attention": False}
+    with config.patch(fx_graph_cache=True, force_disable_caches=False), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        results = []
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            with torch.no_grad():
+                results.append(torch.compile(model, backend="kernelpytorch", options=options)(x))
+            assert "merge-parallel-linears" in kpt_compiler.last_report().fired()
+            assert counters["aot_autograd"]["autograd_cache_bypass"] == 0, dict(counters["aot_autograd"])
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    with torch.no_grad():
+        torch.testing.assert_close(results[1], model(x))
+
+
 _WARM = """
 import json, sys, time
 import torch
