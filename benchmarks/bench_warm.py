@@ -91,6 +91,13 @@ def child(model_name: str, mode: str, device: str, profile: str | None = None) -
         row["fired"] = sorted({p for r in reports for p in r.fired()})
         row["from_cache"] = any("came from Inductor's cache" in n for r in reports for n in r.notes)
         row["tuned_choices_read"] = _tuned_cache.stats()["read"]
+        # our share: the backend calls (Inductor's compile inside them) and, of those, our passes by name
+        row["backend_s"] = sum(r.compile_ms for r in reports) / 1e3
+        passes: dict = {}
+        for r in reports:
+            for p in r.passes():
+                passes[p.name] = passes.get(p.name, 0.0) + p.time_ms / 1e3
+        row["passes_s"] = dict(sorted(passes.items(), key=lambda kv: -kv[1]))
     return row
 
 
@@ -187,7 +194,8 @@ def run_case(model_name: str, mode: str, device: str, profile: str | None = None
            "warm_fx_misses": warm["fx_misses"], "warm_aot_hits": warm["aot_hits"]}
     if mode == "kpt":
         row.update(cold_fired=cold["fired"], warm_fired=warm["fired"], warm_says_cache=warm["from_cache"],
-                   warm_tuned_choices_read=warm["tuned_choices_read"])
+                   warm_tuned_choices_read=warm["tuned_choices_read"], warm_backend_s=warm["backend_s"],
+                   warm_passes_s=warm["passes_s"])
     print(f"{row['model']} {mode}: cold {row['cold_s']:.1f} s, warm {row['warm_s']:.1f} s "
           f"({row['speedup']:.1f}x), warm FX-graph hits {row['warm_fx_hits']}", flush=True)
     return row
