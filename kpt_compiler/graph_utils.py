@@ -59,9 +59,14 @@ def snapshot(gm: fx.GraphModule) -> GraphSnapshot:
     """A copy of the graph (nodes and their meta, shallowly) and of the module's attribute tables."""
     attrs = {k: dict(getattr(gm, k)) for k in _MODULE_DICTS}
     attrs["__dict__"] = {k: v for k, v in gm.__dict__.items() if k not in _MODULE_DICTS}
-    graph = fx.Graph(tracer_cls=gm.graph._tracer_cls)
-    _copy_nodes(gm.graph, graph)
-    return GraphSnapshot(graph, attrs, _extras(gm.graph))
+    return GraphSnapshot(copy_graph(gm.graph), attrs, _extras(gm.graph))
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` (nodes and their meta, shallowly), as ``snapshot`` makes."""
+    copy_ = fx.Graph(tracer_cls=graph._tracer_cls)
+    _copy_nodes(graph, copy_)
+    return copy_
 
 
 def _copy_nodes(src: fx.Graph, dst: fx.Graph) -> None:

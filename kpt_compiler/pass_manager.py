@@ -9,6 +9,7 @@ dumps, and, for lossy passes, the guard that measures their error and backs out 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import logging
@@ -237,9 +238,14 @@ class PassManager:
         self.return_hooks += ctx.return_hooks
         self.call_wrappers += ctx.call_wrappers
         rec.status = "applied"
+        names = f"before {spec.name}", f"after {spec.name}"
+        if self.dump is None:  # nobody reads the code now: the diff is made if the report's reader asks
+            rec._diff_from = functools.partial(_diff_of_graphs, gm, snap.graph, graph_utils.copy_graph(gm.graph),
+                                               names)
+            return rec, None, snap.graph
         before = code_before if code_before is not None else graph_utils.readable_code(gm, snap.graph)
         after = graph_utils.readable_code(gm)
-        rec.diff = graph_utils.unified_diff(before, after, f"before {spec.name}", f"after {spec.name}")
+        rec.diff = graph_utils.unified_diff(before, after, *names)
         return rec, after, snap.graph
 
     def _check_invariants(self, spec: GraphPass, gm: fx.GraphModule, snap, stage: str) -> None:
@@ -311,6 +317,15 @@ class PassManager:
         if self.dump is not None:
             self.dump.wrap_stage(self.report, record)
         return compiled
+
+
+def _diff_of_graphs(gm: fx.GraphModule, before: fx.Graph, after: fx.Graph, names: tuple[str, str]) -> str:
+    """A pass's diff, from copies of the graph before and after it (``gm`` lends its attributes)."""
+    try:
+        return graph_utils.unified_diff(graph_utils.readable_code(gm, before), graph_utils.readable_code(gm, after),
+                                        *names)
+    except Exception as e:  # noqa: BLE001 - a later pass took an attribute away: the report still prints
+        return f"(the diff could not be made after the compile: {type(e).__name__}: {e}; set dump_dir to keep it)"
 
 
 def _guarded(guard: LossyGuard | Exception, spec: GraphPass, gm, snap, ctx, attempt, rec):

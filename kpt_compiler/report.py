@@ -43,7 +43,10 @@ class PassRecord:
     notes: list[str] = dataclasses.field(default_factory=list)  # decisions and near misses, one line each
     ops_before: dict[str, int] = dataclasses.field(default_factory=dict)
     ops_after: dict[str, int] = dataclasses.field(default_factory=dict)
-    diff: str | None = None  # unified diff of the readable code, when applied
+    # unified diff of the readable code, when applied: made when first read (``diff``), from the graphs before
+    # and after the pass, unless a dump made it at once; printing a large graph takes a compile 0.1-0.2 s a time
+    _diff: str | None = dataclasses.field(default=None, repr=False)
+    _diff_from: Any = dataclasses.field(default=None, repr=False, compare=False)
     regions: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # changed subgraphs, for pictures
     code_file: str | None = None  # relative to the dump folder, when dumped
     diff_file: str | None = None
@@ -54,6 +57,17 @@ class PassRecord:
     backed_out: dict[str, float] = dataclasses.field(default_factory=dict)
     # passes measured rewrite by rewrite (ctx.check_locally): each rewrite kept, with its own figure
     layer_db: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def diff(self) -> str | None:
+        if self._diff is None and self._diff_from is not None:
+            make, self._diff_from = self._diff_from, None
+            self._diff = make()
+        return self._diff
+
+    @diff.setter
+    def diff(self, text: str | None) -> None:
+        self._diff, self._diff_from = text, None
 
     def summary(self) -> dict[str, Any]:
         """The fields summary.json carries (no code, no pictures)."""

@@ -31,6 +31,24 @@ def test_applied_pass_is_reported_and_keeps_numerics():
     assert set(report.stages) == {"pre_aot", "joint", "forward"}
 
 
+def test_the_diff_made_when_read_is_the_one_a_dump_makes_at_once(tmp_path):
+    """Without a dump the diff waits until read (printing a large graph costs a compile 0.1-0.2 s per pass);
+    it must be the diff the dump writes, and a later pass must not leak into an earlier one's."""
+    options = {"test_relu_to_clamp": True, "test_scale_outputs": {"factor": 2.0}}
+    diffs = {}
+    for dump in (None, str(tmp_path)):
+        model, x, compiled = _eager_compile("mlp", {**options, "dump_dir": dump} if dump else options)
+        compiled(x)
+        report = kpt_compiler.last_report()
+        recs = [p for p in report.passes() if p.status == "applied"]
+        assert [p.name for p in recs] == ["test-relu-to-clamp", "test-scale-outputs"], report.table()
+        if dump is None:
+            assert all(p._diff is None and p._diff_from is not None for p in recs)  # not made yet
+        diffs[dump] = [p.diff for p in recs]
+    assert diffs[None] == diffs[str(tmp_path)]
+    assert "clamp_min" in diffs[None][0] and "mul" not in diffs[None][0].replace("clamp_min", "")
+
+
 def test_a_pass_that_raises_is_rolled_back_and_reported():
     model, x, compiled = _eager_compile("mlp", {"test_raise": True})
     # the pass vandalised the forward graph before raising; the rollback must have undone it
