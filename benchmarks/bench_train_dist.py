@@ -126,6 +126,13 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
         dist.destroy_process_group()
 
 
+def _annotation(name: str) -> bool:
+    """A range the profiler records on the device for an annotation, not a kernel (older torch does not flag
+    them ``is_user_annotation``)."""
+    return (name.startswith(("nccl:", "aten::", "c10d::", "ProfilerStep")) or name == "record_param_comms"
+            or name.endswith(".forward") or "#" in name)
+
+
 def _profile(step, spec: dict, mode: str, rank: int) -> dict:
     """PROFILE_STEPS more steps, under torch.profiler on rank 0 (every rank runs them: they hold collectives).
     Writes ``<profile>/<setup>-<mode>.txt``, the kernels by device time, and returns per step: the device time
@@ -147,8 +154,12 @@ def _profile(step, spec: dict, mode: str, rank: int) -> dict:
     def device_us(e) -> float:
         return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
-    # the kernels themselves: a CPU op's event also carries the device time of the kernels it launched
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and device_us(e) > 0]
+    # the kernels themselves: a CPU op's event also carries the device time of the kernels it launched, and the
+    # device-side ranges of annotations (DistributedDataParallel.forward, Optimizer.step#AdamW.step,
+    # nccl:all_reduce, record_param_comms) are device events too: counted, they doubled DDP's device time in the
+    # first profile (results/nvidia-h100-80gb-hbm3/2026-11-27-s18-train-dist-prof-3153a9e/)
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and device_us(e) > 0
+               and not getattr(e, "is_user_annotation", False) and not _annotation(e.key)]
     nccl = sum(device_us(e) for e in kernels if "nccl" in e.key.lower())
     total = sum(device_us(e) for e in kernels)
     os.makedirs(spec["profile"], exist_ok=True)

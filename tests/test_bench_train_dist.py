@@ -38,3 +38,17 @@ def test_one_and_two_processes_write_rows_with_scaling_and_what_fired(tmp_path, 
 def test_an_unknown_setup_is_an_error_that_names_the_known_ones():
     with pytest.raises(SystemExit, match="unknown setup.*1gpu, ddp, fsdp2"):
         bench_train_dist.main(["--device", "cpu", "--setups", "1gpu,zero3"])
+
+
+def test_the_profile_counts_kernels_not_the_annotations_recorded_on_the_device():
+    """The H100 profile of session 18 counted DDP's forward range and the optimizer's as device time (DDP's
+    step looked twice the one-GPU step); only kernels count now."""
+    from benchmarks.bench_train_dist import _annotation
+
+    for name in ("DistributedDataParallel.forward", "Optimizer.step#AdamW.step", "nccl:all_reduce",
+                 "record_param_comms", "aten::mm", "ProfilerStep#3"):
+        assert _annotation(name), name
+    for name in ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                 "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "triton_poi_fused__unsafe_view_mul_silu_3",
+                 "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymou..."):
+        assert not _annotation(name), name
