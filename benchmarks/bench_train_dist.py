@@ -3,7 +3,7 @@ FSDP2, with tokens per second and the scaling from one GPU.
 
     python -m benchmarks.bench_train_dist [--model llama-eager] [--gpus 2] [--modes inductor,kpt]
                                           [--setups 1gpu,ddp,fsdp2,fsdp2-blocks] [--steps 30] [--out DIR]
-                                          [--device cuda|cpu]
+                                          [--batch N] [--device cuda|cpu]
 
 Each setup runs in new processes (``torch.multiprocessing.spawn``, one per GPU, NCCL; on the CPU gloo) over a new
 Inductor cache folder; the modes share them, each with its own copy of the model, timed in turn (five rounds of
@@ -85,12 +85,13 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
                                rank=rank, world_size=world)
     (entry, case), = [(e, c) for e, c in cases("full", device, [spec["model"]]) if c.task == "training"][:1]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    batch = spec.get("batch") or case.batch
     steps, times, losses, peak, reports = {}, {}, {}, {}, {}
     for mode in spec["modes"]:  # each mode its own copy of the model (same seed), wrapper and optimizer
         model, make_inputs = prepare(entry, device, dtype)
         model.train()
         # the zoo's inputs come from a fixed seed: every rank sees the same tokens (the timing does not depend on them)
-        inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(case.batch, case.seq, device))
+        inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(batch, case.seq, device))
         steps[mode] = _make_step(model, inputs, mode, spec["setup"], device, rank)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -112,9 +113,9 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
             q = statistics.quantiles(timed, n=10, method="inclusive")  # deciles: q[1] p20, q[7] p80
             median = statistics.median(timed)
             rows.append({
-                "model": entry.name, "shape": f"{case.batch}x{case.seq}", "setup": spec["setup"], "gpus": world,
+                "model": entry.name, "shape": f"{batch}x{case.seq}", "setup": spec["setup"], "gpus": world,
                 "mode": mode, "compile_s": times[mode][0], "ms": median * 1e3, "noise": (q[7] - q[1]) / median,
-                "steps": len(timed), "tokens_s": world * case.batch * case.seq / median,
+                "steps": len(timed), "tokens_s": world * batch * case.seq / median,
                 "first_loss": losses[mode][0], "last_loss": losses[mode][-1],
                 "graphs": len(reports[mode]),
                 "ddp_pieces": sum(any(n.startswith("DDP split") for n in r.notes) for r in reports[mode]),
@@ -215,7 +216,7 @@ def run_setup(setup: str, modes: list[str], gpus: int, args: argparse.Namespace)
 
     world = 1 if setup == "1gpu" else gpus
     spec = {"device": args.device, "model": args.model, "setup": setup, "modes": modes, "steps": args.steps,
-            "profile": args.profile}
+            "profile": args.profile, "batch": args.batch}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")  # the children inherit it
         result = os.path.join(tmp, "rows.json")
@@ -287,6 +288,8 @@ def main(argv=None) -> int:
                    "kernels' device time per step")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default=None, help="write bench_train_dist.json and bench_train_dist.md here")
+    p.add_argument("--batch", type=int, default=None, help="sequences per GPU (default: the zoo's training case; "
+                   "a larger one tells whether the host or the device sets the step)")
     args = p.parse_args(argv)
     args.model = args.model or ("llama-eager" if args.device == "cuda" else "tiny-gpt")
     if args.device == "cuda" and torch.cuda.device_count() < args.gpus:

@@ -11,8 +11,9 @@ from benchmarks import bench_train_dist
 @pytest.mark.inductor
 def test_one_and_two_processes_write_rows_with_scaling_and_what_fired(tmp_path, capsys):
     assert bench_train_dist.main(["--device", "cpu", "--modes", "inductor,kpt", "--setups", "1gpu,ddp", "--steps",
-                                  "5", "--out", str(tmp_path), "--profile", str(tmp_path / "prof")]) == 0
+                                  "5", "--out", str(tmp_path), "--profile", str(tmp_path / "prof"), "--batch", "3"]) == 0
     record = json.loads((tmp_path / "bench_train_dist.json").read_text())
+    assert all(r["shape"].startswith("3x") for r in record["rows"]), record["rows"]  # --batch: sequences per GPU
     assert record["card"] == "cpu" and "--out " + str(tmp_path) in record["command"] and record["commit"]
     one_ind, one, ddp_ind, ddp = record["rows"]
     assert [r["mode"] for r in record["rows"]] == ["inductor", "kpt"] * 2 and all(r["steps"] == 5 for r in record["rows"])
@@ -24,7 +25,7 @@ def test_one_and_two_processes_write_rows_with_scaling_and_what_fired(tmp_path, 
     assert (one["setup"], one["gpus"], ddp["setup"], ddp["gpus"]) == ("1gpu", 1, "ddp", 2), record["rows"]
     for row in (one, ddp):
         assert "error" not in row and "attention" in row["fired"], row
-        assert row["tokens_s"] == pytest.approx(row["gpus"] * 32 / (row["ms"] / 1e3))  # tiny-gpt: 1x32 a rank
+        assert row["tokens_s"] == pytest.approx(row["gpus"] * 3 * 32 / (row["ms"] / 1e3))  # tiny-gpt: 3x32 a rank
         assert row["first_loss"] > 1.0, row  # the targets are not the inputs: a model that copies is no help
     assert ddp["scaling"] == pytest.approx(ddp["tokens_s"] / one["tokens_s"]) and one["scaling"] == 1.0
     assert ddp["ddp_pieces"] == ddp["graphs"] > 1 and one["ddp_pieces"] == 0, (one, ddp)  # DDPOptimizer's cut
@@ -32,7 +33,7 @@ def test_one_and_two_processes_write_rows_with_scaling_and_what_fired(tmp_path, 
         assert row["profile_wall_ms"] > 0 and row["nccl_ms"] == row["device_ms"] == 0, row
         assert "aten::" in (tmp_path / "prof" / f"{row['setup']}-{row['mode']}.txt").read_text()
     table = (tmp_path / "bench_train_dist.md").read_text()
-    assert "| tiny-gpt | 1x32 | ddp | 2 | kpt |" in table and f"{ddp['scaling']:.2f}x" in table
+    assert "| tiny-gpt | 3x32 | ddp | 2 | kpt |" in table and f"{ddp['scaling']:.2f}x" in table
 
 
 def test_an_unknown_setup_is_an_error_that_names_the_known_ones():
