@@ -1,7 +1,7 @@
 """A training step on one GPU and on several (issue 20): kernelpytorch against Inductor, bare, under DDP and under
 FSDP2, with tokens per second and the scaling from one GPU.
 
-    python -m benchmarks.bench_train_dist [--model llama-eager] [--gpus 2] [--modes inductor,kpt]
+    python -m benchmarks.bench_train_dist [--model llama-eager] [--gpus 2] [--modes inductor,kpt[,inductor-ro,kpt-ro]]
                                           [--setups 1gpu,ddp,fsdp2,fsdp2-blocks] [--steps 30] [--out DIR]
                                           [--batch N] [--device cuda|cpu]
 
@@ -21,7 +21,10 @@ cache folder the next one reads; the peak memory is that of the mode's warm-up, 
 The batch per GPU is fixed, so N GPUs process N times the tokens: scaling = tokens/s on N GPUs / tokens/s on one,
 for the same mode (N is ideal). Rank 0's times; the noise is (p80 - p20) / median over the steps. ``--profile DIR``
 profiles five more steps of each mode after the timing (rank 0's kernels by device time, NCCL's share in the rows).
-``--out DIR`` writes bench_train_dist.json and .md (card, date, commit, command). NVLink multicast stays off
+Modes ``inductor-ro`` and ``kpt-ro`` compile with ``mode="reduce-overhead"`` (Inductor's cudagraph trees over
+forward and backward; kpt's option of that name), each step marked with ``cudagraph_mark_step_begin``, and are
+compared with each other: is the step bound by the host's launches? ``--out DIR`` writes bench_train_dist.json
+and .md (card, date, commit, command). NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0), as the lent machines ask. """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from .bench_rms_norm import write_out
 from .outputs import run_meta
 
 MODES = ("inductor", "kpt")
+# with CUDA graphs (Inductor's cudagraph trees, forward and backward): mode="reduce-overhead" for both backends
+KNOWN_MODES = MODES + ("inductor-ro", "kpt-ro")
 SETUPS = ("1gpu", "ddp", "fsdp2", "fsdp2-blocks")
 WARMUP = 3
 ROUNDS = 5
@@ -178,18 +183,23 @@ def _make_step(model: torch.nn.Module, inputs: tuple, mode: str, setup: str, dev
 
     from kpt_compiler.bench import first_tensor
 
-    backend = "kernelpytorch" if mode == "kpt" else "inductor"
+    graphs = mode.endswith("-ro")
+    backend = "kernelpytorch" if mode.startswith("kpt") else "inductor"
+    how = {} if not graphs else {"options": {"mode": "reduce-overhead"}} if backend == "kernelpytorch" else \
+        {"mode": "reduce-overhead"}
     if setup == "fsdp2-blocks":  # torchtitan's way: each block compiled in place, then sharded
         for block in _blocks(model):
-            block.compile(backend=backend)
+            block.compile(backend=backend, **how)
         fn = _wrap(model, setup, device)
     else:
-        fn = torch.compile(_wrap(model, setup, device), backend=backend)
+        fn = torch.compile(_wrap(model, setup, device), backend=backend, **how)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     target = None
 
     def step() -> float:
         nonlocal target
+        if graphs:  # a new step: the trees may reuse the last step's memory
+            torch.compiler.cudagraph_mark_step_begin()
         opt.zero_grad(set_to_none=True)
         out = first_tensor(fn(*inputs)).flatten(0, -2).float()
         if target is None:
@@ -235,14 +245,16 @@ def run_setup(setup: str, modes: list[str], gpus: int, args: argparse.Namespace)
 
 
 def add_ratios(rows: list[dict]) -> None:
-    """scaling (against the same mode on one GPU) and kpt / Inductor (same setup), where both rows ran."""
+    """scaling (against the same mode on one GPU) and kpt / Inductor (same setup; with CUDA graphs, against
+    Inductor with them), where both rows ran."""
     by = {(r["setup"], r["mode"]): r for r in rows if "ms" in r}
     for r in rows:
         one = by.get(("1gpu", r["mode"]))
         if "ms" in r and one:
             r["scaling"] = r["tokens_s"] / one["tokens_s"]
-        ind = by.get((r["setup"], "inductor"))
-        if "ms" in r and ind and r["mode"] != "inductor":
+        reference = "inductor-ro" if r["mode"].endswith("-ro") else "inductor"
+        ind = by.get((r["setup"], reference))
+        if "ms" in r and ind and r["mode"] != reference:
             r["vs_inductor"] = ind["ms"] / r["ms"]
 
 
@@ -262,7 +274,7 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
             lines.append(f"| {r['model']} | - | {r['setup']} | {r['gpus']} | {r['mode']} | error: {r['error']} |"
                          + " |" * 10)
             continue
-        graphs = f"{r['graphs']} ({r['ddp_pieces']})" if r["mode"] == "kpt" else "-"
+        graphs = f"{r['graphs']} ({r['ddp_pieces']})" if r["mode"].startswith("kpt") else "-"
         peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
         lines.append(
             f"| {r['model']} | {r['shape']} | {r['setup']} | {r['gpus']} | {r['mode']} | {r['compile_s']:.1f} | "
@@ -296,6 +308,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --gpus {args.gpus} but this machine has {torch.cuda.device_count()} GPU(s)")
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")):
         os.environ.setdefault(name, value)
+    unknown = sorted(set(m for m in args.modes.split(",") if m) - set(KNOWN_MODES))
+    if unknown:
+        raise SystemExit(f"error: unknown mode(s) {unknown}; known: {', '.join(KNOWN_MODES)}")
     setups = [s for s in args.setups.split(",") if s]
     unknown = sorted(set(setups) - set(SETUPS))
     if unknown:
