@@ -49,6 +49,28 @@ def test_the_diff_made_when_read_is_the_one_a_dump_makes_at_once(tmp_path):
     assert "clamp_min" in diffs[None][0] and "mul" not in diffs[None][0].replace("clamp_min", "")
 
 
+def test_a_diff_waiting_to_be_read_keeps_no_weights_alive():
+    """The report outlives the compile: what a lazy diff holds must be meta stand-ins, not the module's tensors
+    (merge-parallel-linears adds a concatenated weight to the graph), and it still prints them."""
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 32, bias=False)
+
+        def forward(self, x):
+            return torch.cat([self.q(x), self.k(x)], -1)
+
+    with torch.no_grad():
+        torch.compile(QKV().eval(), backend="kernelpytorch",
+                      options={"codegen": "eager", "fusion": {"decide": "always"}})(torch.randn(4, 32))
+    rec = kpt_compiler.last_report().pass_record("merge-parallel-linears")
+    assert rec.status == "applied" and rec._diff_from is not None
+    held = [v for arg in rec._diff_from.args if isinstance(arg, dict) for v in arg.values()]
+    assert held and all(v.device.type == "meta" for v in held if isinstance(v, torch.Tensor)), held
+    assert not any(isinstance(arg, torch.nn.Module) for arg in rec._diff_from.args)
+    assert "_kpt_merged_w" in rec.diff and "merged_linear_static" in rec.diff
+
+
 def test_a_pass_that_raises_is_rolled_back_and_reported():
     model, x, compiled = _eager_compile("mlp", {"test_raise": True})
     # the pass vandalised the forward graph before raising; the rollback must have undone it
