@@ -53,7 +53,7 @@ def child(model_name: str, mode: str, device: str, profile: str | None = None) -
 
     import kpt_compiler
 
-    from .measure import prepare
+    from .measure import prepare, sync
 
     (entry, case), = [(e, c) for e, c in cases("quick", device, [model_name]) if c.task == "inference"][:1]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -62,7 +62,7 @@ def child(model_name: str, mode: str, device: str, profile: str | None = None) -
     inputs = tuple(x.to(dtype) if x.is_floating_point() else x for x in make_inputs(case.batch, case.seq, device))
     with torch.no_grad():
         model(*inputs)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for module in ("torch._inductor.compile_fx",) + (("kpt_compiler.kernels", "kpt_compiler.passes") if mode == "kpt"
                                                      else ()):
@@ -76,7 +76,7 @@ def child(model_name: str, mode: str, device: str, profile: str | None = None) -
         compiled = torch.compile(model, backend=backend)
         with torch.no_grad():
             compiled(*inputs)
-        _sync(device)
+        sync(device)
     seconds = time.perf_counter() - start
     names, values = compile_times(repr="csv", aggregate=True)
     dynamo = float(dict(zip(names, values)).get("_compile.compile_inner", 0.0))
@@ -99,11 +99,6 @@ def child(model_name: str, mode: str, device: str, profile: str | None = None) -
                 passes[p.name] = passes.get(p.name, 0.0) + p.time_ms / 1e3
         row["passes_s"] = dict(sorted(passes.items(), key=lambda kv: -kv[1]))
     return row
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 class _Profile:

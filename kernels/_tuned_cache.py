@@ -72,8 +72,9 @@ class ChoicesOnDisk(dict):
     """``_launch._chosen`` with a file behind each entry: ``get`` reads one on a miss, setting writes it."""
 
     def get(self, item, default=None):
-        if item in self:
-            return self[item]
+        config = dict.get(self, item)  # every launch asks: one lookup, the disk only on a miss
+        if config is not None:
+            return config
         if _disabled():
             return default
         path = _file(*item)
