@@ -193,17 +193,26 @@ def _too_big(gm: fx.GraphModule, ctx: PassContext, keep: frozenset[int] | None) 
     if not ceilings or not ceilings.get("tflops") or not ceilings.get("copy_tbps"):
         return (f"no calibration of {ctx.target.name} says where launches dominate; decide='always' captures "
                 "anyway")
+    tflops, tbps = ceilings["tflops"], ceilings["copy_tbps"]
+    host = _host_ms(gm, cal)
+    written, params = _bytes(gm)
+    least_ms = roofline_ms(0.0, written, params, ceilings)  # the bytes alone: the FLOPs only add to it
+    if least_ms >= ctx.options.launch_bound_ms and (host is None or host[0] < least_ms):
+        # too big on its bytes alone; counting the FLOPs (a run under fake tensors, ~0.3 s on a warm restart of
+        # GPT-2) would not change the answer
+        launches = f"; at least {host[1]} kernels to launch: {host[0]:.3f} ms on the host" if host else ""
+        return (f"its bytes alone take {least_ms:.3f} ms on the device ({(2 * written + params) / 2**20:.0f} MiB at "
+                f"{tbps:.1f} TB/s, {cal.card}){launches}: not under launch_bound_ms={ctx.options.launch_bound_ms}, "
+                "so launches do not dominate")
     try:
-        flops, written, params = estimate(gm)
+        flops = _count_flops(gm, _fake_inputs(gm))
     except Exception as e:  # noqa: BLE001 - no estimate, no capture under "auto"
         return (f"its device time could not be estimated ({type(e).__name__}: {str(e)[:200]}); decide='always' "
                 "captures anyway")
-    tflops, tbps = ceilings["tflops"], ceilings["copy_tbps"]
     device_ms = roofline_ms(flops, written, params, ceilings)
     copy_ms = 2 * _output_bytes(gm, keep) / (tbps * 1e9) if keep else 0.0
     figures = (f"estimated {device_ms:.3f} ms on the device ({flops / 1e9:.1f} GFLOP at {tflops:.0f} TFLOP/s, "
                f"{(2 * written + params) / 2**20:.0f} MiB at {tbps:.1f} TB/s, {cal.card})")
-    host = _host_ms(gm, cal)
     if host is not None:
         figures += f"; at least {host[1]} kernels at {host[2]:.0f} us each to launch: {host[0]:.3f} ms on the host"
     if device_ms >= ctx.options.launch_bound_ms and (host is None or host[0] < device_ms):
@@ -253,18 +262,27 @@ def estimate(gm: fx.GraphModule, sizes: dict | None = None) -> tuple[float, int,
     is not read: a layer's 16-bit weight stays an input of Dynamo's graph after the fp4 pass has replaced it by
     a quarter of its bytes in constants. ``sizes``: values of the dynamic sizes (symbol -> int); the ones not
     given take the sizes of the example Dynamo compiled with."""
-    written, inputs, fakes = 0, 0, []
+    written, inputs = _bytes(gm, sizes)
+    return _count_flops(gm, _fake_inputs(gm, sizes), sizes), written, inputs
+
+
+def _bytes(gm: fx.GraphModule, sizes: dict | None = None) -> tuple[int, int]:
+    """(bytes the graph's ops write, bytes of the tensors it reads): ``estimate`` without the FLOPs."""
+    written, inputs = 0, 0
     for node in gm.graph.nodes:
         value = ir.example_value(node)
-        if node.op == "placeholder":
+        if node.op == "placeholder" or node.op == "get_attr":
             inputs += _nbytes(value, sizes) if node.users else 0
-            fakes.append(_int(value, sizes) if isinstance(value, torch.SymInt) else value)
-        elif node.op == "get_attr" and node.users:
-            inputs += _nbytes(value, sizes)
         elif node.op in ("call_function", "call_method", "call_module") and isinstance(value, torch.Tensor):
             if not _is_view(node):
                 written += _nbytes(value, sizes)
-    return _count_flops(gm, fakes, sizes), written, inputs
+    return written, inputs
+
+
+def _fake_inputs(gm: fx.GraphModule, sizes: dict | None = None) -> list[Any]:
+    """The recorded example inputs, dynamic scalar sizes as ints at ``sizes``."""
+    values = [ir.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    return [_int(v, sizes) if isinstance(v, torch.SymInt) else v for v in values]
 
 
 def _int(size: Any, sizes: dict | None) -> int:

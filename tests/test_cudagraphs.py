@@ -141,6 +141,24 @@ def test_auto_leaves_a_graph_whose_device_time_is_over_the_bound():
     assert cg._too_big(gm, _ctx(launch_bound_ms=1000.0), cg._outputs_in_pool(gm)) is None  # the bound is the user's to move
 
 
+def test_auto_leaves_a_graph_too_big_on_its_bytes_without_counting_its_flops(monkeypatch):
+    # the FLOP count runs the graph under fake tensors (~0.3 s of a warm restart): where the bytes alone settle it,
+    # it is not run; a graph its bytes do not settle is still counted
+    gm = _graph(Mlp(2048, 8192), torch.randn(64, 1024, 2048))
+    ctx = _ctx()
+    if ctx.cost_model.calibration is None:
+        pytest.skip("no H100 calibration committed")
+
+    def no_count(*a, **k):
+        raise AssertionError("FLOPs counted")
+
+    monkeypatch.setattr(cg, "_count_flops", no_count)
+    why = cg._too_big(gm, ctx, cg._outputs_in_pool(gm))
+    assert "its bytes alone take" in why and "not under launch_bound_ms=1.0" in why, why
+    small = _graph(Mlp(), torch.randn(4, 8, 256))
+    assert "could not be estimated (AssertionError: FLOPs counted)" in cg._too_big(small, _ctx(), None)
+
+
 def test_auto_leaves_a_graph_whose_output_copy_would_cost_too_much():
     # a small computation with a large output (an embedding table's worth of logits): the copy would dominate
     gm = _graph(lambda x: x.expand(4, 4096, 4096) * 2, torch.randn(1, 1, 4096))
