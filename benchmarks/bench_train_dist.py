@@ -23,7 +23,9 @@ for the same mode (N is ideal). Rank 0's times; the noise is (p80 - p20) / media
 profiles five more steps of each mode after the timing (rank 0's kernels by device time, NCCL's share in the rows).
 Modes ``inductor-ro`` and ``kpt-ro`` compile with ``mode="reduce-overhead"`` (Inductor's cudagraph trees over
 forward and backward; kpt's option of that name), each step marked with ``cudagraph_mark_step_begin``, and are
-compared with each other: is the step bound by the host's launches? ``--out DIR`` writes bench_train_dist.json
+compared with each other: is the step bound by the host's launches? Mode ``kpt-cg`` asks the same of kpt's
+cudagraphs pass (``options={"cudagraphs": {"decide": "always"}}``, outputs copied out of the pool as by default)
+and is compared with ``inductor-ro``. ``--out DIR`` writes bench_train_dist.json
 and .md (card, date, commit, command). NVLink multicast stays off
 (NCCL_NVLS_ENABLE=0), as the lent machines ask. """
 
@@ -45,7 +47,9 @@ from .outputs import run_meta
 
 MODES = ("inductor", "kpt")
 # with CUDA graphs (Inductor's cudagraph trees, forward and backward): mode="reduce-overhead" for both backends
-KNOWN_MODES = MODES + ("inductor-ro", "kpt-ro")
+# and kpt-cg: kpt's cudagraphs pass asked to capture the training graphs (decide="always"), default mode
+KNOWN_MODES = MODES + ("inductor-ro", "kpt-ro", "kpt-cg")
+GRAPH_MODES = ("inductor-ro", "kpt-ro", "kpt-cg")
 SETUPS = ("1gpu", "ddp", "fsdp2", "fsdp2-blocks")
 WARMUP = 3
 ROUNDS = 5
@@ -183,10 +187,10 @@ def _make_step(model: torch.nn.Module, inputs: tuple, mode: str, setup: str, dev
 
     from kpt_compiler.bench import first_tensor
 
-    graphs = mode.endswith("-ro")
+    graphs = mode in GRAPH_MODES
     backend = "kernelpytorch" if mode.startswith("kpt") else "inductor"
-    how = {} if not graphs else {"options": {"mode": "reduce-overhead"}} if backend == "kernelpytorch" else \
-        {"mode": "reduce-overhead"}
+    how = {"options": {"cudagraphs": {"decide": "always"}}} if mode == "kpt-cg" else {} if not graphs else \
+        {"options": {"mode": "reduce-overhead"}} if backend == "kernelpytorch" else {"mode": "reduce-overhead"}
     if setup == "fsdp2-blocks":  # torchtitan's way: each block compiled in place, then sharded
         for block in _blocks(model):
             block.compile(backend=backend, **how)
@@ -252,7 +256,7 @@ def add_ratios(rows: list[dict]) -> None:
         one = by.get(("1gpu", r["mode"]))
         if "ms" in r and one:
             r["scaling"] = r["tokens_s"] / one["tokens_s"]
-        reference = "inductor-ro" if r["mode"].endswith("-ro") else "inductor"
+        reference = "inductor-ro" if r["mode"] in GRAPH_MODES else "inductor"
         ind = by.get((r["setup"], reference))
         if "ms" in r and ind and r["mode"] != reference:
             r["vs_inductor"] = ind["ms"] / r["ms"]

@@ -17,6 +17,12 @@ Without a calibration for the card, "auto" declines and says that ``decide="alwa
 Inductor makes its own checks when it compiles (inputs it cannot treat as static and the graph mutates, CPU
 tensors); a refusal there is caught from its log and put in the report.
 
+Training graphs are captured under ``decide="always"`` only: forward and backward, by Inductor's trees as under
+``mode="reduce-overhead"`` (a new step's graphs replay once the last backward has run, or after
+``torch.compiler.cudagraph_mark_step_begin()``). A training step with its optimizer is no inference graph the
+roofline above can weigh, so "auto" leaves it and says how to ask. On the H100 a Llama training step was
+host-bound without graphs (README, "Distributed training"), which is what capture removes.
+
 Outputs: a replay writes its outputs into the pool, where the next replay overwrites them. Code that keeps an
 output past the next call (``generate()`` keeps the logits while it runs the next step) would then read another
 call's values, which cudagraph trees turn into an error ("accessing tensor output of CUDAGraphs that has been
@@ -97,7 +103,7 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
         if why:
             ctx.note(f"not captured: {why}")
             return False
-    mutated = _mutated_inputs(gm)
+    mutated = _mutated_inputs(gm) if ctx.is_inference else None  # training: Inductor's trees weigh mutations
     if mutated:  # a static KV cache's update: Inductor's trees decline it (tokens as without graphs on the H100)
         return own_capture(ctx, mutated)
     # Inductor's refusals come in its log, at compile time or at the first call (cudagraph trees check the
@@ -106,7 +112,10 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
     ctx.during_aot(lambda: _inductor_captures(listener))
     ctx.note_after_compile(listener.report_to)
     ctx.count("captured")
-    ctx.note(f"captured as a CUDA graph (Inductor's cudagraph trees; decide={ctx.options.decide!r})")
+    ctx.note(f"captured as a CUDA graph (Inductor's cudagraph trees; decide={ctx.options.decide!r})"
+             if ctx.is_inference else "forward and backward captured as CUDA graphs (Inductor's cudagraph trees; "
+             "decide='always'); a step's graphs replay once its backward has run, or from "
+             "torch.compiler.cudagraph_mark_step_begin()")
     if keep is not None:
         ctx.note("outputs copied out of the CUDA graphs' pool after each call (copy_outputs=False leaves them there, "
                  "valid until the next call)")
@@ -122,8 +131,9 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
 
 def _refusal(gm: fx.GraphModule, ctx: PassContext) -> str | None:
     """Why this graph must not be captured, or None."""
-    if not ctx.is_inference:
-        return "a training graph (mode='reduce-overhead' captures forward and backward)"
+    if not ctx.is_inference and ctx.options.decide != "always":
+        return ("a training graph: decide='auto' weighs inference graphs only; decide='always' captures forward "
+                "and backward (Inductor's cudagraph trees, as mode='reduce-overhead' does)")
     if ctx.codegen != "inductor":
         return f"codegen {ctx.codegen!r} (Inductor captures the graphs)"
     if ctx.mode in ("reduce-overhead", "max-autotune"):

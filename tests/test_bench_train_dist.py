@@ -59,11 +59,12 @@ def test_cuda_graph_modes_compare_with_inductor_under_graphs():
     """kpt-ro's "vs Inductor" is against inductor-ro, kpt's against inductor; scaling against the same mode."""
     rows = [{"setup": s, "mode": m, "ms": ms, "tokens_s": t} for s, m, ms, t in (
         ("1gpu", "inductor", 20.0, 100.0), ("1gpu", "kpt", 16.0, 125.0), ("1gpu", "inductor-ro", 10.0, 200.0),
-        ("1gpu", "kpt-ro", 8.0, 250.0), ("ddp", "kpt-ro", 12.0, 333.0))]
+        ("1gpu", "kpt-ro", 8.0, 250.0), ("ddp", "kpt-ro", 12.0, 333.0), ("1gpu", "kpt-cg", 9.0, 222.0))]
     bench_train_dist.add_ratios(rows)
     by = {(r["setup"], r["mode"]): r for r in rows}
     assert by["1gpu", "kpt"]["vs_inductor"] == pytest.approx(20 / 16)
     assert by["1gpu", "kpt-ro"]["vs_inductor"] == pytest.approx(10 / 8)
+    assert by["1gpu", "kpt-cg"]["vs_inductor"] == pytest.approx(10 / 9)  # kpt's pass capturing: against graphs too
     assert "vs_inductor" not in by["1gpu", "inductor-ro"] and "vs_inductor" not in by["ddp", "kpt-ro"]
     assert by["ddp", "kpt-ro"]["scaling"] == pytest.approx(333 / 250)
     with pytest.raises(SystemExit, match="unknown mode"):

@@ -175,7 +175,7 @@ def test_without_a_calibration_auto_declines_and_always_is_the_way_out():
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("training", "a training graph"),
+    ("training", "a training graph: decide='auto' weighs inference graphs only; decide='always' captures"),
     ("eager", "codegen 'eager'"),
     ("reduce-overhead", "captures every graph already"),
     ("no-cudagraphs", "asks for none"),
@@ -200,6 +200,12 @@ def test_each_refusal_names_its_reason(case, expected):
                    case, "default"))
     why = cg._refusal(gm, ctx)  # the inputs are on the CPU: the last thing checked
     assert why and expected in why, why
+
+
+def test_always_takes_a_training_graph_on_to_the_graphs_own_checks():
+    gm = _graph(Mlp(), torch.randn(4, 8, 256))
+    why = cg._refusal(gm, _ctx(is_inference=False, decide="always"))
+    assert why and "a training graph" not in why and "not on the GPU" in why, why  # only the CPU inputs left
 
 
 def test_outputs_that_are_views_of_inputs_are_not_copied():

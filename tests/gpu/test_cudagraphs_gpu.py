@@ -47,6 +47,44 @@ def test_a_small_inference_graph_is_captured_by_default_and_its_outputs_outlive_
     assert tree is not None and len(tree.roots) >= 1
 
 
+def test_always_captures_a_training_step_forward_and_backward_and_it_trains_as_eager():
+    import copy
+
+    torch.manual_seed(0)
+    model = Mlp().cuda()
+    ref = copy.deepcopy(model)
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    f = _compiled(model, cudagraphs={"decide": "always"})
+    for _ in range(4):  # warm-up, record, replays
+        x = torch.randn(8, 64, 512, device="cuda")
+        losses = []
+        for m, o in ((f, opt), (ref, opt_ref)):
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5)
+        for o in (opt, opt_ref):
+            o.step()
+            o.zero_grad(set_to_none=True)
+        assert abs(losses[0] - losses[1]) <= 1e-3 * abs(losses[1]), losses
+    rec = kpt_compiler.last_report().pass_record("cudagraphs")
+    assert rec.status == "applied" and rec.stats.get("captured") == 1, rec
+    assert any("forward and backward captured" in n for n in rec.notes), rec.notes
+    from torch._inductor import cudagraph_trees
+
+    tree = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
+    assert tree is not None and len(tree.ids_to_funcs) >= 2  # the forward's graph and the backward's
+
+
+def test_auto_leaves_a_training_graph_and_says_how_to_capture_it():
+    model = Mlp().cuda()
+    _compiled(model)(torch.randn(8, 64, 512, device="cuda")).sum().backward()
+    rec = kpt_compiler.last_report().pass_record("cudagraphs")
+    assert rec.status != "applied" and any("decide='always' captures forward and backward" in n
+                                           for n in rec.notes), rec
+
+
 def test_without_the_copy_each_output_is_right_until_the_next_call():
     torch.manual_seed(0)
     model = Mlp().cuda().bfloat16().eval()
