@@ -64,6 +64,7 @@ def inductor_config_patches(pm: PassManager) -> dict[str, Any]:
 
     StageHook = _stage_hook_class()
     patches: dict[str, Any] = dict(list_mode_options(pm.options.mode))
+    patches.update(pm.inductor_patches)  # what our passes ask (the cudagraphs pass: triton.cudagraphs)
     patches.update(pm.options.inductor)
     patches["joint_custom_pre_pass"] = StageHook(pm, "joint", inductor_config.joint_custom_pre_pass)
     patches["post_grad_custom_pre_pass"] = StageHook(pm, None, inductor_config.post_grad_custom_pre_pass)

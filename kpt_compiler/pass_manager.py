@@ -66,6 +66,7 @@ class PassManager:
         self.pipeline = resolve_pipeline(options)
         self.cost_model = CostModel(target, options.mode, codegen)
         self.aot_contexts: list[Callable[[], Any]] = []  # from pre_aot passes that applied
+        self.inductor_patches: dict[str, Any] = {}  # Inductor config from pre_aot passes that applied
         self.call_hooks: list[Callable[[Sequence[Any]], None]] = []  # run before each call (ctx.before_each_call)
         self.return_hooks: list[Callable[[Any], Any]] = []  # run on the outputs of each call (ctx.after_each_call)
         self.call_wrappers: list[Callable[[Callable], Callable]] = []  # wrap the compiled graph (ctx.wrap_each_call)
@@ -234,6 +235,7 @@ class PassManager:
         self.defer_calls = max(self.defer_calls, ctx.defer_calls)  # a pass may defer a graph it leaves as it is
         if not changed:
             return rec, code_before, None
+        self.inductor_patches.update(ctx.inductor_patches)
         self.call_hooks += ctx.call_hooks
         self.return_hooks += ctx.return_hooks
         self.call_wrappers += ctx.call_wrappers

@@ -79,6 +79,8 @@ class PassContext:
     notes: list[str] = dataclasses.field(default_factory=list)
     # context managers (as factories) to hold while AOTAutograd traces; see during_aot
     aot_contexts: list[Callable[[], Any]] = dataclasses.field(default_factory=list)
+    # Inductor config settings for this graph's compile, its backward's included; see inductor_config
+    inductor_patches: dict[str, Any] = dataclasses.field(default_factory=dict)
     # the wrap stage: the Dynamo graph the compiled callable runs (after the pre_aot passes)
     graph_module: fx.GraphModule | None = None
     # lossy passes: the labels of the rewrites proposed, and which may be made (None: all)
@@ -182,6 +184,14 @@ class PassContext:
         if self.stage != "pre_aot":
             raise RuntimeError("during_aot is for pre_aot passes: later stages run after the trace")
         self.aot_contexts.append(context_factory)
+
+    def inductor_config(self, patches: dict[str, Any]) -> None:
+        """Compile this graph under these Inductor config settings (pre_aot passes that apply only): they go to
+        ``compile_fx`` as its ``config_patches`` (the user's ``options["inductor"]`` over them), which also hold
+        for the backward, compiled at the first backward call, after any context held during the trace is gone."""
+        if self.stage != "pre_aot":
+            raise RuntimeError("inductor_config is for pre_aot passes: later stages run inside Inductor's compile")
+        self.inductor_patches.update(patches)
 
     @property
     def example_inputs(self) -> list[Any]:

@@ -109,7 +109,8 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
     # Inductor's refusals come in its log, at compile time or at the first call (cudagraph trees check the
     # inputs when they record): listened to until the first call is over, then put in this pass's notes
     listener = _SkipLog()
-    ctx.during_aot(lambda: _inductor_captures(listener))
+    ctx.inductor_config({"triton.cudagraphs": True})  # the forward's compile and, later, the backward's
+    ctx.during_aot(lambda: _listening(listener))
     ctx.note_after_compile(listener.report_to)
     ctx.count("captured")
     ctx.note(f"captured as a CUDA graph (Inductor's cudagraph trees; decide={ctx.options.decide!r})"
@@ -399,14 +400,11 @@ def _logger() -> logging.Logger:
 
 
 @contextlib.contextmanager
-def _inductor_captures(listener: _SkipLog):
-    """Inductor's CUDA-graph trees on for this compile; its refusals heard from now until the first call ends."""
-    from torch._inductor import config
-
+def _listening(listener: _SkipLog):
+    """Inductor's refusals heard from this compile until the first call ends."""
     listener.start()
     try:
-        with config.patch({"triton.cudagraphs": True}):
-            yield
+        yield
     except BaseException:  # no compiled graph, no first call to stop listening at
         listener.stop()
         raise

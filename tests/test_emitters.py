@@ -36,6 +36,37 @@ def test_default_mode_adds_only_our_hooks():
     assert set(patches) == {"joint_custom_pre_pass", "post_grad_custom_pre_pass"}
 
 
+def test_a_pass_asks_inductor_config_for_the_whole_compile_and_the_user_has_the_last_word():
+    # the cudagraphs pass capturing a training graph: the setting must reach compile_fx's config_patches, which
+    # Inductor also holds for the backward it compiles at the first backward call
+    pm = _run()
+    pm.inductor_patches.update({"triton.cudagraphs": True})
+    assert inductor_config_patches(pm)["triton.cudagraphs"] is True
+    pm = _run(options={"inductor": {"triton.cudagraphs": False}})
+    pm.inductor_patches.update({"triton.cudagraphs": True})
+    assert inductor_config_patches(pm)["triton.cudagraphs"] is False
+
+
+def test_cudagraphs_pass_on_a_training_graph_asks_inductor_config_not_a_trace_context(monkeypatch):
+    import torch.fx as fx
+
+    from kpt_compiler.cost_model import CostModel
+    from kpt_compiler.registry import PassContext
+    from kpt_compiler.passes import cudagraphs as cg
+
+    h100 = Target("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["example_value"] = torch.empty(4, 8, device="meta")
+    graph.output(graph.call_function(torch.relu, (x,)))
+    ctx = PassContext(options=cg.CudaGraphsOptions(decide="always"), target=h100, stage="pre_aot", is_inference=False,
+                      mode="default", codegen="inductor", cost_model=CostModel(h100, "default"))
+    # the meta input is no GPU tensor: the graph's own checks are not what is tested here
+    monkeypatch.setattr(cg, "_refusal", lambda gm, ctx: None)
+    assert cg.cudagraphs(fx.GraphModule({}, graph), ctx)
+    assert ctx.inductor_patches == {"triton.cudagraphs": True}
+
+
 def test_user_inductor_options_are_applied():
     patches = inductor_config_patches(_run(options={"inductor": {"epilogue_fusion": False}}))
     assert patches["epilogue_fusion"] is False
