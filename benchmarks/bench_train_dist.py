@@ -225,9 +225,26 @@ def _timed(step, times: list[float], losses: list[float]) -> None:
     times.append(time.perf_counter() - t0)
 
 
-def run_setup(setup: str, modes: list[str], gpus: int, args: argparse.Namespace) -> list[dict]:
+def spawn_with_timeout(fn, fn_args: tuple, world: int, timeout: float | None) -> None:
+    """``mp.spawn`` that gives up after ``timeout`` seconds: the processes are killed and TimeoutError says so (a
+    rank stuck in a collective its peer never joins would otherwise hold the run, and CI, for good)."""
     import torch.multiprocessing as mp
 
+    context = mp.spawn(fn, args=fn_args, nprocs=world, join=False)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not context.join(timeout=5):
+        if deadline is not None and time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"the {world} process(es) did not finish in {timeout:.0f} s (--timeout)")
+
+
+def _sleep(rank: int, seconds: float) -> None:  # a process that outlives a short timeout (tests)
+    time.sleep(seconds)
+
+
+def run_setup(setup: str, modes: list[str], gpus: int, args: argparse.Namespace) -> list[dict]:
     world = 1 if setup == "1gpu" else gpus
     spec = {"device": args.device, "model": args.model, "setup": setup, "modes": modes, "steps": args.steps,
             "profile": args.profile, "batch": args.batch}
@@ -235,7 +252,7 @@ def run_setup(setup: str, modes: list[str], gpus: int, args: argparse.Namespace)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")  # the children inherit it
         result = os.path.join(tmp, "rows.json")
         try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "init"), spec, result), nprocs=world)
+            spawn_with_timeout(_worker, (world, os.path.join(tmp, "init"), spec, result), world, args.timeout)
             with open(result) as f:
                 rows = json.load(f)
         except Exception as e:  # noqa: BLE001 - one setup's failure is a row that says so
@@ -299,6 +316,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--timeout", type=float, default=None, help="seconds a setup's processes may take; past them "
+                   "they are killed and the setup's rows say so (default: no limit)")
     p.add_argument("--profile", default=None, help="after the timing, profile 5 more steps of each mode on rank 0 "
                    "and write the kernels by device time here (<setup>-<mode>.txt); the rows get NCCL's and all "
                    "kernels' device time per step")

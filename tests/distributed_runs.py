@@ -19,7 +19,8 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from benchmarks.bench_train_dist import spawn_with_timeout
 
 WORLD = 2
 BATCH, SEQ, VOCAB = 4, 32, 128
@@ -91,7 +92,8 @@ def spawn(out_dir, backend: str, options: dict, which: tuple[str, ...] = RUNS
           ) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """(each rank's results for the runs ``which``, the float64 single-process gradients); ``backend`` is "gloo"
     or "nccl"."""
-    mp.spawn(_worker, args=(os.path.join(out_dir, "init"), str(out_dir), backend, options, which), nprocs=WORLD)
+    # killed past the limit: a rank stuck in a collective must fail the test, not hold CI
+    spawn_with_timeout(_worker, (os.path.join(out_dir, "init"), str(out_dir), backend, options, which), WORLD, 900)
     results = [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(WORLD)]
     net = model().double()
     loss(net(batch())).backward()

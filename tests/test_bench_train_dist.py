@@ -11,7 +11,8 @@ from benchmarks import bench_train_dist
 @pytest.mark.inductor
 def test_one_and_two_processes_write_rows_with_scaling_and_what_fired(tmp_path, capsys):
     assert bench_train_dist.main(["--device", "cpu", "--modes", "inductor,kpt", "--setups", "1gpu,ddp", "--steps",
-                                  "5", "--out", str(tmp_path), "--profile", str(tmp_path / "prof"), "--batch", "3"]) == 0
+                                  "5", "--out", str(tmp_path), "--profile", str(tmp_path / "prof"), "--batch", "3",
+                                  "--timeout", "600"]) == 0
     record = json.loads((tmp_path / "bench_train_dist.json").read_text())
     assert all(r["shape"].startswith("3x") for r in record["rows"]), record["rows"]  # --batch: sequences per GPU
     assert record["card"] == "cpu" and "--out " + str(tmp_path) in record["command"] and record["commit"]
@@ -69,3 +70,12 @@ def test_cuda_graph_modes_compare_with_inductor_under_graphs():
     assert by["ddp", "kpt-ro"]["scaling"] == pytest.approx(333 / 250)
     with pytest.raises(SystemExit, match="unknown mode"):
         bench_train_dist.main(["--device", "cpu", "--modes", "kpt,kpt-fast"])
+
+
+def test_a_setup_whose_processes_do_not_finish_is_killed_and_says_so():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not finish in 3 s \(--timeout\)"):
+        bench_train_dist.spawn_with_timeout(bench_train_dist._sleep, (600,), 1, 3)
+    assert time.monotonic() - start < 60
