@@ -21,7 +21,9 @@ Training graphs are captured under ``decide="always"`` only: forward and backwar
 ``mode="reduce-overhead"`` (a new step's graphs replay once the last backward has run, or after
 ``torch.compiler.cudagraph_mark_step_begin()``). A training step with its optimizer is no inference graph the
 roofline above can weigh, so "auto" leaves it and says how to ask. On the H100 a Llama training step was
-host-bound without graphs (README, "Distributed training"), which is what capture removes.
+host-bound without graphs (README, "Distributed training"), which is what capture removes. Run on one GPU and
+under DDP; not yet under FSDP2, which frees and gathers the parameters again each step (the trees record again
+when a static input moves).
 
 Outputs: a replay writes its outputs into the pool, where the next replay overwrites them. Code that keeps an
 output past the next call (``generate()`` keeps the logits while it runs the next step) would then read another
