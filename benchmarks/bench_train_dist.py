@@ -237,7 +237,8 @@ def spawn_with_timeout(fn, fn_args: tuple, world: int, timeout: float | None) ->
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
-            raise TimeoutError(f"the {world} process(es) did not finish in {timeout:.0f} s (--timeout)")
+                process.join(5)
+            raise TimeoutError(f"the {world} process(es) did not finish in {timeout:.0f} s")
 
 
 def _sleep(rank: int, seconds: float) -> None:  # a process that outlives a short timeout (tests)

@@ -123,8 +123,13 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
         ctx.note("outputs copied out of the CUDA graphs' pool after each call (copy_outputs=False leaves them there, "
                  "valid until the next call)")
 
+    # a training graph's backward is compiled and recorded at the first backward, which a training loop runs
+    # before the second call: its refusals are heard until that call ends
+    calls_heard = 1 if ctx.is_inference else 2
+
     def after(outputs):
-        if listener.listening:
+        listener.calls += 1
+        if listener.listening and listener.calls >= calls_heard:
             listener.stop()
         return _copy_out(outputs, keep) if keep is not None else outputs
 
@@ -208,7 +213,11 @@ def _too_big(gm: fx.GraphModule, ctx: PassContext, keep: frozenset[int] | None) 
                 "anyway")
     tflops, tbps = ceilings["tflops"], ceilings["copy_tbps"]
     host = _host_ms(gm, cal)
-    written, params = _bytes(gm)
+    try:
+        written, params = _bytes(gm)
+    except Exception as e:  # noqa: BLE001 - no estimate, no capture under "auto"
+        return (f"its device time could not be estimated ({type(e).__name__}: {str(e)[:200]}); decide='always' "
+                "captures anyway")
     least_ms = roofline_ms(0.0, written, params, ceilings)  # the bytes alone: the FLOPs only add to it
     if least_ms >= ctx.options.launch_bound_ms and (host is None or host[0] < least_ms):
         # too big on its bytes alone; counting the FLOPs (a run under fake tensors, ~0.3 s on a warm restart of
@@ -375,6 +384,7 @@ class _SkipLog(logging.Handler):
         super().__init__(logging.WARNING)
         self.notes: list[str] | None = None
         self.listening = False
+        self.calls = 0
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.notes is not None:

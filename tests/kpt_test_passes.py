@@ -206,3 +206,15 @@ SDP_PRIORITY: list[list[int]] = []
 def record_sdp_priority(gm, ctx):
     SDP_PRIORITY.append([int(b) for b in torch._C._get_sdp_priority_order()])
     return False
+
+
+@dataclasses.dataclass(frozen=True)
+class InductorConfigOptions:
+    applies: bool = True  # False: asks, then reports the graph unchanged
+
+
+@graph_pass("test-inductor-config", summary="asks an Inductor setting for the compile (ctx.inductor_config)",
+            stage="pre_aot", default=False, options=InductorConfigOptions)
+def inductor_config(gm, ctx):
+    ctx.inductor_config({"max_autotune_gemm_backends": "ATEN"})
+    return ctx.options.applies

@@ -159,6 +159,19 @@ def test_auto_leaves_a_graph_too_big_on_its_bytes_without_counting_its_flops(mon
     assert "could not be estimated (AssertionError: FLOPs counted)" in cg._too_big(small, _ctx(), None)
 
 
+def test_auto_counts_the_flops_where_the_bytes_alone_leave_the_graph_under_the_bound():
+    gm = _graph(Mlp(2048, 8192), torch.randn(64, 1024, 2048))
+    ctx = _ctx()
+    if ctx.cost_model.calibration is None:
+        pytest.skip("no H100 calibration committed")
+    ceilings = ctx.cost_model.calibration.ceilings
+    least = cg.roofline_ms(0.0, *cg._bytes(gm), ceilings)
+    full = cg.roofline_ms(*cg.estimate(gm), ceilings)
+    assert full > 1.5 * least  # 4.4 TFLOP: the FLOPs are most of its time
+    why = cg._too_big(gm, _ctx(launch_bound_ms=(least + full) / 2), cg._outputs_in_pool(gm))
+    assert why and "GFLOP" in why and "not under launch_bound_ms" in why and "bytes alone" not in why, why
+
+
 def test_auto_leaves_a_graph_whose_output_copy_would_cost_too_much():
     # a small computation with a large output (an embedding table's worth of logits): the copy would dominate
     gm = _graph(lambda x: x.expand(4, 4096, 4096) * 2, torch.randn(1, 1, 4096))

@@ -47,6 +47,17 @@ def test_a_pass_asks_inductor_config_for_the_whole_compile_and_the_user_has_the_
     assert inductor_config_patches(pm)["triton.cudagraphs"] is False
 
 
+@pytest.mark.parametrize("applies", [True, False])
+def test_the_pass_manager_takes_inductor_config_from_passes_that_applied(applies):
+    import torch.fx as fx
+
+    pm = _run(options={"test-inductor-config": {"applies": applies}})
+    gm = fx.symbolic_trace(lambda x: x + 1)
+    pm.run_stage(gm, "pre_aot", is_inference=True)
+    assert pm.report.pass_record("test-inductor-config").status == ("applied" if applies else "unchanged")
+    assert (inductor_config_patches(pm).get("max_autotune_gemm_backends") == "ATEN") is applies
+
+
 def test_cudagraphs_pass_on_a_training_graph_asks_inductor_config_not_a_trace_context(monkeypatch):
     import torch.fx as fx
 
@@ -65,6 +76,21 @@ def test_cudagraphs_pass_on_a_training_graph_asks_inductor_config_not_a_trace_co
     monkeypatch.setattr(cg, "_refusal", lambda gm, ctx: None)
     assert cg.cudagraphs(fx.GraphModule({}, graph), ctx)
     assert ctx.inductor_patches == {"triton.cudagraphs": True}
+    from torch._inductor import config
+
+    with ctx.aot_contexts[0]():  # what is held during the trace only listens; the setting is not patched there
+        assert not config.triton.cudagraphs
+
+    def listening() -> bool:
+        return any(isinstance(h, cg._SkipLog) for h in cg._logger().handlers)
+
+    # a training graph's backward is recorded at the first backward, after the first call: Inductor's refusals
+    # are heard until the second call ends
+    after = ctx.return_hooks[0]
+    after((torch.ones(2),))
+    assert listening()
+    after((torch.ones(2),))
+    assert not listening()
 
 
 def test_user_inductor_options_are_applied():
