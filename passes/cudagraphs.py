@@ -37,9 +37,7 @@ without the copy was not overwritten (cudagraph trees saw it alive); the failure
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
 import math
 import operator
 from typing import Any, Literal, Sequence
@@ -51,6 +49,8 @@ from kpt_compiler import torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
 from ._bucket_graphs import own_capture, per_bucket
+from ._cudagraph_log import SkipLog as _SkipLog
+from ._cudagraph_log import listening as _listening
 
 # CUDA graphs pay where launches dominate: under 1 ms of estimated device time a transformer's 50-300 kernels
 # cost the host as much as the device or more (GPT-2 1x64 and the 8-layer Llama at 1x128 gain 3.5-3.9x with
@@ -375,51 +375,6 @@ def _copy_out(outputs: Any, keep: frozenset[int]) -> Any:
         copied = [o.clone() if i in keep and isinstance(o, torch.Tensor) else o for i, o in enumerate(outputs)]
         return type(outputs)(copied) if isinstance(outputs, tuple) else copied
     return outputs.clone() if 0 in keep and isinstance(outputs, torch.Tensor) else outputs
-
-
-class _SkipLog(logging.Handler):
-    """Collects Inductor's "skipping cudagraphs due to ..." messages into the pass's notes."""
-
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.notes: list[str] | None = None
-        self.listening = False
-        self.calls = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if self.notes is not None:
-            self.notes.append(f"Inductor declined the capture: {record.getMessage().splitlines()[0]}")
-
-    def report_to(self, notes: list[str]) -> None:
-        self.notes = notes
-
-    def start(self) -> None:
-        if not self.listening:
-            _logger().addHandler(self)
-            self.listening = True
-
-    def stop(self) -> None:
-        _logger().removeHandler(self)
-        self.listening = False
-
-
-def _logger() -> logging.Logger:
-    """The logger Inductor's "skipping cudagraphs" messages go to: ``cudagraphs_log`` (torch 2.10 and later),
-    ``perf_hint_log`` before."""
-    from torch._inductor import cudagraph_utils
-
-    return getattr(cudagraph_utils, "cudagraphs_log", None) or cudagraph_utils.perf_hint_log
-
-
-@contextlib.contextmanager
-def _listening(listener: _SkipLog):
-    """Inductor's refusals heard from this compile until the first call ends."""
-    listener.start()
-    try:
-        yield
-    except BaseException:  # no compiled graph, no first call to stop listening at
-        listener.stop()
-        raise
 
 
 __all__: Sequence[str] = ("cudagraphs", "CudaGraphsOptions", "estimate")
