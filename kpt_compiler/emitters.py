@@ -74,10 +74,20 @@ def inductor_config_patches(pm: PassManager) -> dict[str, Any]:
     return patches
 
 
+def user_overrides(pm: PassManager) -> list[str]:
+    """Report notes for the Inductor settings our passes asked that the user's ``options["inductor"]`` overrides
+    (the user's word holds, and the report must not let a pass's own note say otherwise)."""
+    user = pm.options.inductor
+    return [f"options['inductor'] sets {key}={user[key]!r}, over the {asked!r} that our passes asked for; "
+            f"what they asked it for does not happen" + (" (no CUDA-graph capture)" if key == "triton.cudagraphs" else "")
+            for key, asked in pm.inductor_patches.items() if key in user and user[key] != asked]
+
+
 def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager) -> Callable:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     patches = inductor_config_patches(pm)
+    pm.report.notes.extend(user_overrides(pm))
     patches["unsafe_marked_cacheable_functions"] = _cacheable_functions(gm, pm)
     caches = contextlib.nullcontext()
     if pm.dump is not None:

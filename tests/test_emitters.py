@@ -45,6 +45,11 @@ def test_a_pass_asks_inductor_config_for_the_whole_compile_and_the_user_has_the_
     pm = _run(options={"inductor": {"triton.cudagraphs": False}})
     pm.inductor_patches.update({"triton.cudagraphs": True})
     assert inductor_config_patches(pm)["triton.cudagraphs"] is False
+    from kpt_compiler.emitters import user_overrides
+
+    notes = user_overrides(pm)  # and the report says so, beside the pass's "captured"
+    assert len(notes) == 1 and "triton.cudagraphs=False" in notes[0] and "no CUDA-graph capture" in notes[0], notes
+    assert user_overrides(_run(options={"inductor": {"epilogue_fusion": False}})) == []
 
 
 @pytest.mark.parametrize("applies", [True, False])
