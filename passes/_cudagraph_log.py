@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+
 class SkipLog(logging.Handler):
     """Collects Inductor's "skipping cudagraphs due to ..." messages into the pass's notes."""
 

@@ -128,9 +128,10 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
     calls_heard = 1 if ctx.is_inference else 2
 
     def after(outputs):
-        listener.calls += 1
-        if listener.listening and listener.calls >= calls_heard:
-            listener.stop()
+        if listener.listening:  # counted only until then: this runs on every call
+            listener.calls += 1
+            if listener.calls >= calls_heard:
+                listener.stop()
         return _copy_out(outputs, keep) if keep is not None else outputs
 
     ctx.after_each_call(after)
@@ -220,8 +221,9 @@ def _too_big(gm: fx.GraphModule, ctx: PassContext, keep: frozenset[int] | None) 
                 "captures anyway")
     least_ms = roofline_ms(0.0, written, params, ceilings)  # the bytes alone: the FLOPs only add to it
     if least_ms >= ctx.options.launch_bound_ms and (host is None or host[0] < least_ms):
-        # too big on its bytes alone; counting the FLOPs (a run under fake tensors, ~0.3 s on a warm restart of
-        # GPT-2) would not change the answer
+        # too big on its bytes alone; counting the FLOPs (a run under fake tensors: 0.6 s of GPT-2's warm restart
+        # under cProfile on the H100, results/.../2026-11-27-s19-warm-prof-gpt2-kpt-d3322c9.txt) would not change
+        # the answer
         launches = f"; at least {host[1]} kernels to launch: {host[0]:.3f} ms on the host" if host else ""
         return (f"its bytes alone take {least_ms:.3f} ms on the device ({(2 * written + params) / 2**20:.0f} MiB at "
                 f"{tbps:.1f} TB/s, {cal.card}){launches}: not under launch_bound_ms={ctx.options.launch_bound_ms}, "
