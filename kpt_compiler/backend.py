@@ -167,6 +167,25 @@ def _compile_without(fired: list[str], error: Exception, gm: fx.GraphModule, exa
     return compiled
 
 
+def _triton_toolchain_as_inductor() -> None:
+    """Give this process's Triton the ptxas (and libdevice) that Inductor gives its compile workers, before
+    anything here compiles a kernel.
+
+    Triton's cache key holds the ptxas version. Inductor points ``TRITON_PTXAS_PATH`` at torch's own ptxas in its
+    compile workers, and in this process only on some of its paths. When a cold run compiled through Inductor,
+    the variable was set by the time our kernels were built. A warm run takes Inductor's code from its cache, so
+    it was not, and the kernels it built in this process (ours, and Inductor's chosen configs) got other keys and
+    were built again. Both setters are Inductor's own (cached; no-ops where torch ships no ptxas)."""
+    try:
+        from torch._inductor.runtime import compile_tasks
+    except ImportError:  # pragma: no cover - Inductor is part of torch
+        return
+    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+        setter = getattr(compile_tasks, name, None)
+        if setter is not None:
+            setter()
+
+
 def kernelpytorch(
     gm: fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -181,6 +200,7 @@ def kernelpytorch(
             "Put kernelpytorch settings in options={...}."
         )
     start = time.perf_counter()
+    _triton_toolchain_as_inductor()
     opts = parse_options(mode, options)
     target = detect_target(example_inputs, opts.device)
     codegen = _choose_codegen(opts, target)

@@ -243,3 +243,27 @@ def test_the_kernels_package_installs_the_autotune_files():
     from kpt_compiler.kernels import _launch, _tuned_cache
 
     assert isinstance(_launch._chosen, _tuned_cache.ChoicesOnDisk)
+
+
+def test_the_backend_gives_triton_inductors_ptxas_before_anything_compiles(monkeypatch):
+    """Triton's cache key holds the ptxas version, and Inductor sets TRITON_PTXAS_PATH only on some of its paths:
+    a warm restart that took Inductor's code from its cache built kernels with the other ptxas, under new keys
+    (issue 20; backend._triton_toolchain_as_inductor). Every backend call sets it, before the passes run."""
+    from torch._inductor.runtime import compile_tasks
+
+    from kpt_compiler import pass_manager
+
+    order = []
+    monkeypatch.setattr(compile_tasks, "_set_triton_ptxas_path", lambda: order.append("ptxas"))
+    run = pass_manager.PassManager.run_stage
+
+    def recording(self, *args, **kwargs):
+        order.append("stage")
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(pass_manager.PassManager, "run_stage", recording)
+    torch._dynamo.reset()
+    x = torch.randn(8)
+    out = torch.compile(lambda t: t.sin() + 1, backend="kernelpytorch", options={"codegen": "eager"})(x)
+    torch.testing.assert_close(out, x.sin() + 1)
+    assert order[:1] == ["ptxas"] and "stage" in order
