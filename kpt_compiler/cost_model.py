@@ -217,6 +217,10 @@ class Candidate:
 class Decision:
     rewrite: bool
     why: str
+    speedup: float | None = None  # ours over Inductor (device time, or the host-weighed ratio), where a figure says
+
+    def __bool__(self) -> bool:
+        return self.rewrite
 
 
 def cache_path() -> Path:
@@ -273,7 +277,8 @@ class CostModel:
         if cached is not None:
             return Decision(bool(cached["rewrite"]), f"measured earlier on {self.target.card}: ours "
                                                      f"{cached['ours_ms']:.4f} ms, Inductor at best "
-                                                     f"{cached['inductor_ms']:.4f} ms (cache {cache_path()})")
+                                                     f"{cached['inductor_ms']:.4f} ms (cache {cache_path()})",
+                            cached["inductor_ms"] / max(cached["ours_ms"], 1e-9))
         return self._calibrated(c, source, timed=c.timeable)
 
     def _measure(self, c: Candidate, source: str) -> Decision:
@@ -283,7 +288,8 @@ class CostModel:
         base = c.baseline_ms()
         won = ours < base
         _store(self._key(c, source), {"rewrite": won, "ours_ms": ours, "inductor_ms": base})
-        return Decision(won, f"measured on {self.target.card}: ours {ours:.4f} ms, Inductor at best {base:.4f} ms")
+        return Decision(won, f"measured on {self.target.card}: ours {ours:.4f} ms, Inductor at best {base:.4f} ms",
+                        base / max(ours, 1e-9))
 
     def _calibrated(self, c: Candidate, now: str, timed: bool = True) -> Decision:
         measure = "decide='measure' times it" if timed else f"{c.kind} has no compile-time timing either"
@@ -322,19 +328,30 @@ class CostModel:
             speedup = max(their_host, theirs_device) / max(ours_host, ours_device)
             why += (f"; issued without CUDA graphs, per call ours max(host {ours_host:.0f}, device {ours_device:.0f}) "
                     f"us, Inductor max(host {their_host:.0f}, device {theirs_device:.0f}) us: {speedup:.2f}x")
-        return Decision(speedup >= MARGIN, f"{why} (needs {MARGIN}x)")
+        return Decision(speedup >= MARGIN, f"{why} (needs {MARGIN}x)", speedup)
 
     @staticmethod
     def _inductor_device_us(cal: Calibration, c: Candidate) -> float:
         """Inductor's device time per call, estimated: its GEMMs at the card's peak rate or their bytes at its
         copy bandwidth, whichever is slower, plus a fixed cost per kernel (the card's ceilings)."""
-        ceil = cal.ceilings
-        rows, K, Ns = c.rows, c.shapes["K"], c.gemm_ns
-        size = torch.empty((), dtype=c.dtype).element_size()
-        flops = 2 * rows * K * sum(Ns)
-        nbytes = size * (rows * K + sum(Ns) * K + rows * sum(Ns))
-        return max(flops / (ceil["tflops"] * 1e6), nbytes / (ceil["copy_tbps"] * 1e6)) \
-            + ceil["kernel_floor_us"] * c.unfused_kernels
+        return gemm_device_us(cal, c.rows, c.shapes["K"], c.gemm_ns, c.dtype, c.unfused_kernels)
+
+
+def gemm_device_us(cal: Calibration, rows: int, K: int, Ns: list[int], dtype: torch.dtype, kernels: int = 1) -> float:
+    """A dense GEMM's device time estimated from the card's ceilings: its FLOPs at the peak rate or its bytes at
+    the copy bandwidth, whichever is slower, plus the fixed cost of each of ``kernels`` kernels."""
+    ceil = cal.ceilings
+    size = torch.empty((), dtype=dtype).element_size()
+    flops = 2 * rows * K * sum(Ns)
+    nbytes = size * (rows * K + sum(Ns) * K + rows * sum(Ns))
+    return max(flops / (ceil["tflops"] * 1e6), nbytes / (ceil["copy_tbps"] * 1e6)) + ceil["kernel_floor_us"] * kernels
+
+
+def pass_device_us(cal: Calibration, nbytes: int) -> float:
+    """One elementwise kernel's device time estimated from the card's ceilings: its bytes at the copy bandwidth
+    plus a kernel's fixed cost."""
+    ceil = cal.ceilings
+    return nbytes / (ceil["copy_tbps"] * 1e6) + ceil["kernel_floor_us"]
 
 
 def _distance(point: dict, mkn: tuple[int, int, int]) -> float:

@@ -161,7 +161,14 @@ class PassManager:
         return PassContext(options=self.options.pass_options(spec.name), target=self.target, stage=stage,
                            is_inference=is_inference, mode=self.options.mode, codegen=self.codegen,
                            cost_model=self.cost_model, allowed=allowed, inputs_fn=inputs, graph_module=graph_module,
-                           explicit=self.options.passes[spec.name].explicit, cuda_graphs=self._cuda_graphs())
+                           explicit=self.options.passes[spec.name].explicit, cuda_graphs=self._cuda_graphs(),
+                           other_pass=self.options_if_runs)
+
+    def options_if_runs(self, name: str) -> Any:
+        """The options of pass ``name`` where it runs in this compile (in the pipeline, switched on, for this
+        target), else None."""
+        spec = next((s for s in self.pipeline if s.name == name), None)
+        return None if spec is None or not self._enabled(spec) else self.options.pass_options(name)
 
     def _cuda_graphs(self) -> bool:
         from kpt_compiler.cost_model import CUDA_GRAPH_MODES

@@ -106,6 +106,9 @@ class PassContext:
     # (under "auto" it decides later, on the rewritten graph); whether this graph can be captured (its inputs'
     # devices, dynamic sizes, host syncs) is passes/cudagraphs.py's graph_refusal
     cuda_graphs: bool = False
+    # another pass's options where it runs in this compile (in the pipeline, switched on, for this target), else
+    # None: a pass that takes nodes a later one would also take weighs the later one's rewrite (sparsity-2-4)
+    other_pass: Callable[[str], Any] = lambda name: None
 
     def count(self, stat: str = "matches", n: int = 1) -> None:
         self.stats[stat] += n

@@ -142,6 +142,25 @@ def fused_op(ctx: PassContext, kernel, name: str, grad: bool):
     return getattr(torch.ops.kpt, f"{name}_triton" if triton_form(ctx) else f"{name}_inference").default
 
 
+def verdict(ctx: PassContext, how: str, x: fx.Node, kind: str, shapes: dict, source: Any, *,
+            table: str | None = None, gemm_ns: list[int] | None = None, unfused_kernels: int = 1,
+            ours: Callable[[], Callable] | None = None, baseline_ms: Callable[[], float] | None = None):
+    """The cost model's answer for a rewrite on input ``x`` (a cost_model.Decision), nothing written to the report;
+    None where ``x`` has dynamic rows (the decision needs sizes). Arguments: ``ask``'s."""
+    n, v = rows(x), val(x)
+    if n is None:
+        return None
+    N = sum(shapes["N"]) if isinstance(shapes.get("N"), list) else shapes.get("N")  # merged linears: the total N
+    mkn = (n, shapes["K"], N) if isinstance(N, int) and "K" in shapes else None
+    measuring = how == "measure"
+    candidate = Candidate(kind, n, shapes, v.dtype, source, table=table, mkn=mkn,
+                          form="triton" if triton_form(ctx) else "inference", gemm_ns=gemm_ns,
+                          unfused_kernels=unfused_kernels, ours=ours() if measuring and ours else None,
+                          baseline_ms=baseline_ms if measuring else None,
+                          timeable=ours is not None and baseline_ms is not None)
+    return (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
+
+
 def ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes: dict, source: Any, *,
         table: str | None = None, gemm_ns: list[int] | None = None, unfused_kernels: int = 1,
         ours: Callable[[], Callable] | None = None, baseline_ms: Callable[[], float] | None = None) -> bool:
@@ -151,8 +170,7 @@ def ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes
     the kernel count on Inductor's side, for its estimated device time (weighed against host times without
     CUDA graphs); ``ours`` and ``baseline_ms`` make the callables ``decide="measure"`` times (only called then).
     """
-    n, v = rows(x), val(x)
-    if n is None:
+    if rows(x) is None:
         ctx.near_miss(f"{node.name}: {kind} with dynamic shapes (the decision needs sizes)")
         return False
     if how != "always" and needs_grad(node):
@@ -161,21 +179,13 @@ def ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes
         ctx.near_miss(f"{node.name}: {kind} in a training graph: the cost model covers the forward only "
                       "(decide='always' takes it)")
         return False
-    N = sum(shapes["N"]) if isinstance(shapes.get("N"), list) else shapes.get("N")  # merged linears: the total N
-    mkn = (n, shapes["K"], N) if isinstance(N, int) and "K" in shapes else None
-    measuring = how == "measure"
-    candidate = Candidate(kind, n, shapes, v.dtype, source, table=table, mkn=mkn,
-                          form="triton" if triton_form(ctx) else "inference", gemm_ns=gemm_ns,
-                          unfused_kernels=unfused_kernels, ours=ours() if measuring and ours else None,
-                          baseline_ms=baseline_ms if measuring else None,
-                          timeable=ours is not None and baseline_ms is not None)
-    cost_model = ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)
-    d = cost_model.decide(how, candidate)
+    d = verdict(ctx, how, x, kind, shapes, source, table=table, gemm_ns=gemm_ns, unfused_kernels=unfused_kernels,
+                ours=ours, baseline_ms=baseline_ms)
     if not d.rewrite:
         ctx.near_miss(f"{node.name}: {kind} not faster here ({d.why})")
     else:
-        ctx.note(f"{node.name}: {kind} {n}x{shapes} ({d.why})")
-        fallback = reference_reason(v, source) if _is_kernel(source) else None
+        ctx.note(f"{node.name}: {kind} {rows(x)}x{shapes} ({d.why})")
+        fallback = reference_reason(val(x), source) if _is_kernel(source) else None
         if fallback:
             ctx.note(f"{node.name}: {kind} will run its eager reference here, not our kernel: {fallback}")
     return d.rewrite

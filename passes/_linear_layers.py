@@ -58,18 +58,19 @@ def not_plain(node: fx.Node, skip: tuple[str, ...]) -> str | None:
 
 
 def decide_layer(ctx, label: str, kind: str, mkn: tuple[int, int, int], dtype, device, source,
-                 ours: Callable[[torch.Tensor, torch.Tensor], Callable[[], Any]]) -> bool:
-    """A weight pass's answer for one layer: "always" takes it; "auto" asks the card's calibration table ``kind``
-    (measured with kernel ``source``); "measure" times ``ours(x, w)`` (a call on random x [M, K] and w [N, K],
-    made only then) against the 16-bit ``F.linear`` on the device. The answer is a note or a near miss."""
+                 ours: Callable[[torch.Tensor, torch.Tensor], Callable[[], Any]]):
+    """A weight pass's answer for one layer (a cost_model.Decision: true when it pays): "always" takes it; "auto"
+    asks the card's calibration table ``kind`` (measured with kernel ``source``); "measure" times ``ours(x, w)``
+    (a call on random x [M, K] and w [N, K], made only then) against the 16-bit ``F.linear`` on the device. The
+    answer is a note or a near miss."""
     import torch.nn.functional as F
 
     from kpt_compiler.bench import median_ms
-    from kpt_compiler.cost_model import Candidate, CostModel
+    from kpt_compiler.cost_model import Candidate, CostModel, Decision
 
     how = ctx.decide
     if how == "always":
-        return True
+        return Decision(True, "decide='always'")
     M, K, N = mkn
     timed = {}
     if how == "measure":
@@ -82,7 +83,7 @@ def decide_layer(ctx, label: str, kind: str, mkn: tuple[int, int, int], dtype, d
         ctx.note(f"{label}: {kind} {M}x{K}x{N} pays ({d.why})")
     else:
         ctx.near_miss(f"{label}: {kind} {M}x{K}x{N} not faster here ({d.why})")
-    return d.rewrite
+    return d
 
 
 def check_options(options, floor: int, floor_why: str = "") -> None:

@@ -46,15 +46,18 @@ def _epilogue_of(node: fx.Node) -> tuple[fx.Node, str, fx.Node | None]:
     return last, act, residual
 
 
-def _fuse(gm, node, ctx, how):  # act(linear(x, W, b)) + r -> linear_epilogue(x, W, b, r, act)
+def fusion_candidate(node: fx.Node) -> tuple[fx.Node, fx.Node | None, dict] | None:
+    """(the epilogue's last node, its residual, ``ask``'s arguments bar ``how``) for fusing the linear ``node``
+    with what follows it, or None where there is nothing to fuse. Also asked by sparsity-2-4, which runs first
+    and weighs this rewrite against its own."""
     if ir.kind(node) != "linear":
-        return False
+        return None
     x, w, bias = ir.arg(node, "input"), ir.arg(node, "weight"), ir.arg(node, "bias", None)
     last, act, residual = _epilogue_of(node)
     if bias is None and act == "none" and residual is None:
-        return False
+        return None
     if isinstance(bias, fx.Node) and val(bias).dtype != val(x).dtype:
-        return False
+        return None
     N, K = val(w).shape
     M, dtype, device = rows(x) or 0, val(x).dtype, val(x).device
     from kpt_compiler.kernels import linear_epilogue as kernel
@@ -66,11 +69,24 @@ def _fuse(gm, node, ctx, how):  # act(linear(x, W, b)) + r -> linear_epilogue(x,
 
     shapes = {"K": K, "N": N, "act": act, "bias": bias is not None, "residual": residual is not None}
     epilogue_bytes = (2 + (residual is not None)) * M * N * 2
-    if not ask(ctx, how, last, "linear_epilogue", x, shapes, kernel,
-               table="linear_epilogue" if act != "none" else "linear_epilogue_vs_gemm", gemm_ns=[N],
-               unfused_kernels=2 if act != "none" else 1, ours=ours,
-               baseline_ms=gemm_baseline(device, M, K, [N], dtype, epilogue_bytes)):
+    return last, residual, dict(
+        x=x, kind="linear_epilogue", shapes=shapes, source=kernel,
+        table="linear_epilogue" if act != "none" else "linear_epilogue_vs_gemm", gemm_ns=[N],
+        unfused_kernels=2 if act != "none" else 1, ours=ours,
+        baseline_ms=gemm_baseline(device, M, K, [N], dtype, epilogue_bytes))
+
+
+def _fuse(gm, node, ctx, how):  # act(linear(x, W, b)) + r -> linear_epilogue(x, W, b, r, act)
+    found = fusion_candidate(node)
+    if found is None:
         return False
+    last, residual, asked = found
+    if not ask(ctx, how, last, **asked):
+        return False
+    from kpt_compiler.kernels import linear_epilogue as kernel
+
+    x, w, bias = ir.arg(node, "input"), ir.arg(node, "weight"), ir.arg(node, "bias", None)
+    act = asked["shapes"]["act"]
     with gm.graph.inserting_before(last):
         op = fused_op(ctx, kernel, "linear_epilogue", needs_grad(last))
         new = emit(gm, op, (x, w, bias, residual, act), like=last)

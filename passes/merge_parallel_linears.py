@@ -105,6 +105,30 @@ def _groups(x: fx.Node) -> dict:
     return groups
 
 
+def _ask_args(x: fx.Node, group: list[fx.Node], K: int, dtype: torch.dtype) -> dict:
+    """``ask``'s arguments bar ``how`` for merging ``group``, the linears on ``x``."""
+    Ns = [val(ir.arg(m, "weight")).shape[0] for m in group]
+    M, device = rows(x) or 0, val(x).device
+
+    def ours():
+        xs = torch.randn(M, K, device=device, dtype=dtype)
+        ws = [torch.randn(n, K, device=device, dtype=dtype) for n in Ns]
+        return lambda: merged_linear(xs, ws, None, Ns)
+
+    return dict(x=x, kind="horizontal", shapes={"K": K, "N": Ns}, source=merged_linear, gemm_ns=Ns,
+                unfused_kernels=len(Ns), ours=ours, baseline_ms=gemm_baseline(device, M, K, Ns, dtype, 0))
+
+
+def merge_candidate(node: fx.Node) -> dict | None:
+    """``ask``'s arguments bar ``how`` for merging the linear ``node`` with the other linears on its input, or
+    None where it has none. Asked by sparsity-2-4, which runs first and weighs this rewrite against its own."""
+    x = ir.arg(node, "input")
+    for (dtype, K, _), group in _groups(x).items():
+        if node in group and len(group) >= 2:
+            return _ask_args(x, group, K, dtype)
+    return None
+
+
 def _merge(gm, x, ctx, how):  # linear(x, W1), linear(x, W2), ... -> split(linear(x, cat(Ws)))
     groups = _groups(x)
     if all(len(g) < 2 for g in groups.values()):
@@ -117,16 +141,9 @@ def _merge(gm, x, ctx, how):  # linear(x, W1), linear(x, W2), ... -> split(linea
         if len(group) < 2 or not _views_stay_valid(group):
             continue
         group.sort(key=order.__getitem__)
-        Ns = [val(ir.arg(m, "weight")).shape[0] for m in group]
-        M, device = rows(x) or 0, val(x).device
-
-        def ours(Ns=Ns, K=K):
-            xs = torch.randn(M, K, device=device, dtype=dtype)
-            ws = [torch.randn(n, K, device=device, dtype=dtype) for n in Ns]
-            return lambda: merged_linear(xs, ws, None, Ns)
-
-        if not ask(ctx, how, first, "horizontal", x, {"K": K, "N": Ns}, merged_linear, gemm_ns=Ns,
-                   unfused_kernels=len(Ns), ours=ours, baseline_ms=gemm_baseline(device, M, K, Ns, dtype, 0)):
+        asked = _ask_args(x, group, K, dtype)
+        Ns = asked["shapes"]["N"]
+        if not ask(ctx, how, first, **asked):
             continue
         with gm.graph.inserting_before(first):
             biases = None if no_bias else [ir.arg(m, "bias") for m in group]
