@@ -250,3 +250,25 @@ def test_an_fp4_table_from_calibrate_decides_the_fp4_pass_per_shape(tmp_path, mo
     d = model.decide("auto", cm.Candidate("fp4_linear_mxfp4", 1, {"K": 4096, "N": 14336}, torch.bfloat16,
                                           fp4_linear, mkn=(1, 4096, 14336)))
     assert not d.rewrite and "no calibrated win" in d.why, d.why  # the other format has its own table
+
+
+def test_a_source_hash_is_kept_on_disk_by_the_texts_themselves(tmp_path, monkeypatch):
+    """Tokenizing kernel files costs a warm compile 0.18 s on the H100 (cost_model._hash_texts), so the hash of
+    a text is kept on disk keyed by the text's bytes: a new process reads it without tokenizing, and any change
+    of a byte (a comment included) computes it again."""
+    monkeypatch.setenv("KPT_CACHE_DIR", str(tmp_path))
+    text = "def f(x):\n    return x + 1  # one\n"
+    first = cm._hash_texts([text])
+    assert (tmp_path / "source_hashes.json").exists()
+
+    def no_tokenizing(_text):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(cm, "_code_text", no_tokenizing)
+    assert cm._hash_texts([text]) == first  # read from the file
+    with pytest.raises(AssertionError, match="tokenized again"):
+        cm._hash_texts([text.replace("# one", "# two")])  # another text: computed, not read
+    monkeypatch.undo()
+    monkeypatch.setenv("KPT_CACHE_DIR", str(tmp_path))
+    assert cm._hash_texts([text.replace("# one", "# two")]) == first  # comments aside, the same code
+    assert cm._hash_texts([text.replace("x + 1", "x + 2")]) != first
