@@ -172,14 +172,53 @@ def _profile(step, spec: dict, mode: str, rank: int) -> dict:
                and not getattr(e, "is_user_annotation", False) and not _annotation(e.key)]
     nccl = sum(device_us(e) for e in kernels if "nccl" in e.key.lower())
     total = sum(device_us(e) for e in kernels)
+    # the timeline: how long the device was busy, and how much of NCCL's time no other kernel ran beside it (the
+    # communication the step waits for)
+    spans = [(e.time_range.start, e.time_range.end, "nccl" in e.name.lower()) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+             and not _annotation(e.name) and e.time_range.end > e.time_range.start]
+    busy_us, exposed_us = timeline(spans)
     os.makedirs(spec["profile"], exist_ok=True)
     with open(os.path.join(spec["profile"], f"{spec['setup']}-{mode}.txt"), "w") as f:
         f.write(f"# {spec['setup']} {mode}, rank 0, {PROFILE_STEPS} steps: wall {wall * 1e3:.2f} ms/step, device "
                 f"{total / 1e3 / PROFILE_STEPS:.2f} ms/step of which NCCL {nccl / 1e3 / PROFILE_STEPS:.2f}\n")
         sort = "self_cuda_time_total" if spec["device"] == "cuda" else "self_cpu_time_total"
+        f.write(f"# device busy {busy_us / 1e3 / PROFILE_STEPS:.2f} ms/step; NCCL with no other kernel beside it "
+                f"{exposed_us / 1e3 / PROFILE_STEPS:.2f} ms/step\n")
         f.write(events.table(sort_by=sort, row_limit=30, max_name_column_width=90))
+        f.write("\n# every kernel: device ms per step, calls per step, name\n")
+        for e in sorted(kernels, key=device_us, reverse=True):
+            f.write(f"{device_us(e) / 1e3 / PROFILE_STEPS:9.4f} {e.count / PROFILE_STEPS:7.1f}  {e.key}\n")
     return {"profile_wall_ms": wall * 1e3, "device_ms": total / 1e3 / PROFILE_STEPS,
-            "nccl_ms": nccl / 1e3 / PROFILE_STEPS}
+            "nccl_ms": nccl / 1e3 / PROFILE_STEPS, "busy_ms": busy_us / 1e3 / PROFILE_STEPS,
+            "nccl_exposed_ms": exposed_us / 1e3 / PROFILE_STEPS}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def timeline(spans: list[tuple[float, float, bool]]) -> tuple[float, float]:
+    """(the time some kernel ran, the time a communication kernel ran with no other kernel beside it), from
+    (start, end, is_communication) spans on the device's clock (several streams)."""
+    everything = _union([(a, b) for a, b, _ in spans])
+    comm = _union([(a, b) for a, b, c in spans if c])
+    compute = _union([(a, b) for a, b, c in spans if not c])
+    overlap, j = 0.0, 0
+    for a, b in comm:
+        while j < len(compute) and compute[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(compute) and compute[k][0] < b:
+            overlap += min(b, compute[k][1]) - max(a, compute[k][0])
+            k += 1
+    return sum(b - a for a, b in everything), sum(b - a for a, b in comm) - overlap
 
 
 def _make_step(model: torch.nn.Module, inputs: tuple, mode: str, setup: str, device: str, rank: int):
@@ -289,7 +328,7 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
              "setup", "",
              "| model | tokens per GPU | setup | GPUs | mode | compile s | ms/step | noise | tokens/s | scaling | "
              "vs Inductor | graphs (DDP pieces) | peak MiB | passes fired | loss first, last | profiled ms/step: "
-             "wall, device (NCCL) |",
+             "wall, kernels (NCCL), device busy, NCCL alone |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
@@ -304,8 +343,8 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
             + (f"{r['scaling']:.2f}x" if "scaling" in r else "-") + " | "
             + (f"{r['vs_inductor']:.2f}x" if "vs_inductor" in r else "-") + f" | {graphs} | {peak} | "
             f"{', '.join(r['fired']) or '-'} | {r['first_loss']:.3f}, {r['last_loss']:.3f} | "
-            + (f"{r['profile_wall_ms']:.2f}, {r['device_ms']:.2f} ({r['nccl_ms']:.2f}) |" if "device_ms" in r
-               else "- |"))
+            + (f"{r['profile_wall_ms']:.2f}, {r['device_ms']:.2f} ({r['nccl_ms']:.2f}), {r['busy_ms']:.2f}, "
+               f"{r['nccl_exposed_ms']:.2f} |" if "device_ms" in r else "- |"))
     return "\n".join(lines)
 
 

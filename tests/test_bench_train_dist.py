@@ -31,7 +31,7 @@ def test_one_and_two_processes_write_rows_with_scaling_and_what_fired(tmp_path, 
     assert ddp["scaling"] == pytest.approx(ddp["tokens_s"] / one["tokens_s"]) and one["scaling"] == 1.0
     assert ddp["ddp_pieces"] == ddp["graphs"] > 1 and one["ddp_pieces"] == 0, (one, ddp)  # DDPOptimizer's cut
     for row in record["rows"]:  # profiled on rank 0 after the timing: the CPU has no device time to split
-        assert row["profile_wall_ms"] > 0 and row["nccl_ms"] == row["device_ms"] == 0, row
+        assert row["profile_wall_ms"] > 0 and row["nccl_ms"] == row["device_ms"] == row["nccl_exposed_ms"] == 0, row
         assert "aten::" in (tmp_path / "prof" / f"{row['setup']}-{row['mode']}.txt").read_text()
     table = (tmp_path / "bench_train_dist.md").read_text()
     assert "| tiny-gpt | 3x32 | ddp | 2 | kpt |" in table and f"{ddp['scaling']:.2f}x" in table
@@ -54,6 +54,20 @@ def test_the_profile_counts_kernels_not_the_annotations_recorded_on_the_device()
                  "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "triton_poi_fused__unsafe_view_mul_silu_3",
                  "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymou..."):
         assert not _annotation(name), name
+
+
+def test_the_timeline_counts_communication_that_no_kernel_runs_beside():
+    """Whether DDP's all-reduce hides behind the backward: the device's busy time and the time a communication
+    kernel ran with nothing else beside it, from kernel spans on several streams (us)."""
+    from benchmarks.bench_train_dist import timeline
+
+    spans = [(0, 10, False), (5, 20, False),  # compute 0-20
+             (15, 30, True),  # all-reduce 15-30: 5 hidden, 10 alone
+             (25, 28, False),  # a kernel beside it: 3 more hidden
+             (40, 45, True), (42, 50, True)]  # alone, overlapping each other: 10
+    busy, alone = timeline(spans)
+    assert busy == 30 + 10 and alone == 7 + 10
+    assert timeline([]) == (0, 0) and timeline([(0, 5, False)]) == (5, 0)
 
 
 def test_cuda_graph_modes_compare_with_inductor_under_graphs():
