@@ -15,10 +15,11 @@ restart on the same machine would. Columns: the two times, their ratio, the FX-g
 and for kpt the passes that fired in each run (our pre_aot passes run again on the warm compile, and the report
 says where the code came from). Inductor's FX-graph and AOTAutograd caches key on our pipeline
 (kpt_compiler/pass_manager.py's fingerprint). The issue asks for warm at least 3x faster than cold. ``--out DIR``
-writes bench_warm.json and bench_warm.md (card, date, commit, command). ``--warm-runs N`` starts N warm children (the table shows the first; the JSON has the
-others, to see whether the first warm run paid for something it wrote). ``--profile DIR`` runs one more warm child
-with its compile under cProfile (its times are not in the table: the profiler slows it) and writes
-DIR/<model>-<mode>-warm.txt: the functions by cumulative and by own time, to say where a warm compile's seconds go.
+writes bench_warm.json and bench_warm.md (card, date, commit, command). ``--warm-runs N`` starts N warm children
+(the table shows the first; the JSON has the others, to see whether the first warm run paid for something it
+wrote). ``--profile DIR`` runs one more warm child with its compile under cProfile (its times are not in the table:
+the profiler slows it) and writes DIR/<model>-<mode>-warm.txt: the functions by cumulative and by own time, to say
+where a warm compile's seconds go.
 """
 
 from __future__ import annotations
@@ -245,6 +246,9 @@ def main(argv=None) -> int:
                    help="warm children per case (the table's warm column is the first; the rest in the JSON)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.warm_runs < 1:
+        p.error(f"--warm-runs must be at least 1 (the restart the table compares with the cold run), "
+                f"got {args.warm_runs}")
     modes = [m for m in args.modes.split(",") if m]
     if args.child:
         print(json.dumps(child(args.child, modes[0], args.device, args.profile)))

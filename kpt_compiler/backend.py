@@ -175,15 +175,24 @@ def _triton_toolchain_as_inductor() -> None:
     compile workers, and in this process only on some of its paths. When a cold run compiled through Inductor,
     the variable was set by the time our kernels were built. A warm run takes Inductor's code from its cache, so
     it was not, and the kernels it built in this process (ours, and Inductor's chosen configs) got other keys and
-    were built again. Both setters are Inductor's own (cached; no-ops where torch ships no ptxas)."""
+    were built again. Both setters are Inductor's own (no-ops where torch ships no ptxas, and where the user set
+    ``TRITON_PTXAS_PATH``); being private, any failure of theirs is logged once and the compile goes on."""
+    global _toolchain_warned
     try:
         from torch._inductor.runtime import compile_tasks
-    except ImportError:  # pragma: no cover - Inductor is part of torch
-        return
-    for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
-        setter = getattr(compile_tasks, name, None)
-        if setter is not None:
-            setter()
+
+        for name in ("_set_triton_ptxas_path", "_set_triton_libdevice_path"):
+            setter = getattr(compile_tasks, name, None)
+            if setter is not None:
+                setter()
+    except Exception as e:  # noqa: BLE001 - a restart may rebuild kernels; nothing else depends on this
+        if not _toolchain_warned:
+            _toolchain_warned = True
+            log.warning("could not give Triton Inductor's ptxas (%s: %s); a warm restart may build kernels again",
+                        type(e).__name__, e)
+
+
+_toolchain_warned = False
 
 
 def kernelpytorch(

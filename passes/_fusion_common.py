@@ -144,9 +144,11 @@ def fused_op(ctx: PassContext, kernel, name: str, grad: bool):
 
 def verdict(ctx: PassContext, how: str, x: fx.Node, kind: str, shapes: dict, source: Any, *,
             table: str | None = None, gemm_ns: list[int] | None = None, unfused_kernels: int = 1,
-            ours: Callable[[], Callable] | None = None, baseline_ms: Callable[[], float] | None = None):
+            ours: Callable[[], Callable] | None = None, baseline_ms: Callable[[], float] | None = None,
+            cost_model: Any = None):
     """The cost model's answer for a rewrite on input ``x`` (a cost_model.Decision), nothing written to the report;
-    None where ``x`` has dynamic rows (the decision needs sizes). Arguments: ``ask``'s."""
+    None where ``x`` has dynamic rows (the decision needs sizes). Arguments: ``ask``'s; ``cost_model`` in place
+    of the compile's."""
     n, v = rows(x), val(x)
     if n is None:
         return None
@@ -158,7 +160,7 @@ def verdict(ctx: PassContext, how: str, x: fx.Node, kind: str, shapes: dict, sou
                           unfused_kernels=unfused_kernels, ours=ours() if measuring and ours else None,
                           baseline_ms=baseline_ms if measuring else None,
                           timeable=ours is not None and baseline_ms is not None)
-    return (ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
+    return (cost_model or ctx.cost_model or CostModel(ctx.target, ctx.mode, ctx.codegen)).decide(how, candidate)
 
 
 def ask(ctx: PassContext, how: str, node: fx.Node, kind: str, x: fx.Node, shapes: dict, source: Any, *,

@@ -119,12 +119,29 @@ def _ask_args(x: fx.Node, group: list[fx.Node], K: int, dtype: torch.dtype) -> d
                 unfused_kernels=len(Ns), ours=ours, baseline_ms=gemm_baseline(device, M, K, Ns, dtype, 0))
 
 
+def _mergeable(x: fx.Node, order: dict) -> list[tuple[tuple, list[fx.Node]]]:
+    """The groups of linears on ``x`` that a merge can take, in graph order: each member's inputs defined before
+    the group's first linear (the merged one stands there), and every ``.view`` of a member still valid."""
+    out = []
+    for key, group in _groups(x).items():
+        if len(group) < 2:
+            continue
+        first = min(group, key=order.__getitem__)
+        group = [m for m in group if all(order.get(a, -1) < order[first] for a in m.all_input_nodes)]
+        if len(group) < 2 or not _views_stay_valid(group):
+            continue
+        out.append((key, sorted(group, key=order.__getitem__)))
+    return out
+
+
 def merge_candidate(node: fx.Node) -> dict | None:
-    """``ask``'s arguments bar ``how`` for merging the linear ``node`` with the other linears on its input, or
-    None where it has none. Asked by sparsity-2-4, which runs first and weighs this rewrite against its own."""
+    """``ask``'s arguments bar ``how`` for merging the linear ``node`` with the other linears on its input (the
+    group ``_merge`` would take), or None where it has none. Asked by sparsity-2-4, which runs first and weighs
+    this rewrite against its own."""
     x = ir.arg(node, "input")
-    for (dtype, K, _), group in _groups(x).items():
-        if node in group and len(group) >= 2:
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    for (dtype, K, _), group in _mergeable(x, order):
+        if node in group:
             return _ask_args(x, group, K, dtype)
     return None
 
@@ -135,12 +152,8 @@ def _merge(gm, x, ctx, how):  # linear(x, W1), linear(x, W2), ... -> split(linea
         return False  # the common case (this runs for every node): no graph walk
     changed = False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for (dtype, K, no_bias), group in groups.items():
-        first = min(group, key=order.__getitem__)
-        group = [m for m in group if all(order.get(a, -1) < order[first] for a in m.all_input_nodes)]
-        if len(group) < 2 or not _views_stay_valid(group):
-            continue
-        group.sort(key=order.__getitem__)
+    for (dtype, K, no_bias), group in _mergeable(x, order):
+        first = group[0]
         asked = _ask_args(x, group, K, dtype)
         Ns = asked["shapes"]["N"]
         if not ask(ctx, how, first, **asked):
