@@ -261,3 +261,15 @@ def test_a_wrap_pass_may_return_any_callable():
     torch.testing.assert_close(compiled(x), model(x))
     assert kpt_compiler.last_report().pass_record("test-wrap-bound-method", "wrap").status == "applied"
     assert BOUND_CALLS and BOUND_CALLS[-1] == 1
+
+
+def test_a_failing_pass_is_rolled_back_to_what_the_passes_before_it_made():
+    """The rollback's snapshot is taken again after each pass that changed the graph, and only then (a copy of the
+    graph per pass took 0.2 s of a warm llama compile on the H100): a failing pass after one that applied goes
+    back to that one's graph, not to the stage's first."""
+    model, x, compiled = _eager_compile("mlp", {"test_scale_outputs": {"factor": 3.0}, "test_raise": True})
+    torch.testing.assert_close(compiled(x), 3 * model(x))
+    names = [p.name for p in kpt_compiler.last_report().stages["forward"].passes]
+    assert names.index("test-scale-outputs") < names.index("test-raise"), names
+    assert kpt_compiler.last_report().pass_record("test-scale-outputs").status == "applied"
+    assert kpt_compiler.last_report().pass_record("test-raise").status == "failed"
