@@ -70,9 +70,11 @@ def _compile_id() -> str:
         return "-"
 
 
-def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager) -> Callable:
+def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager,
+                           original: graph_utils.GraphSnapshot | None = None) -> Callable:
+    """``original``: a snapshot of ``gm`` as it is (the pre_aot stage's first rollback point, not copied again)."""
     is_inference = _is_inference(gm, example_inputs)
-    pm.run_stage(gm, "pre_aot", is_inference=is_inference)
+    pm.run_stage(gm, "pre_aot", is_inference=is_inference, snapshot=original)
     if pm.defer_calls > 1 and not graph_utils.has_dynamic_sizes(gm):
         compiled = _Deferred(gm, pm, is_inference)
     else:
@@ -160,7 +162,7 @@ def _compile_without(fired: list[str], error: Exception, gm: fx.GraphModule, exa
     report.stages.clear()
     options = dataclasses.replace(pm.options, disable=tuple(pm.options.disable) + tuple(fired))
     retry = PassManager(options, pm.target, report, dump=pm.dump, codegen=pm.codegen, example_inputs=example_inputs)
-    compiled = _run_pipeline_and_emit(gm, example_inputs, retry)
+    compiled = _run_pipeline_and_emit(gm, example_inputs, retry, original)
     for rec in report.passes():
         if rec.name in fired:
             rec.status, rec.reason = "failed", reason
@@ -231,7 +233,7 @@ def kernelpytorch(
         dump.begin_graph(graph_report, describe_pipeline(opts, target))
     original = graph_utils.snapshot(gm)
     try:
-        compiled = _run_pipeline_and_emit(gm, example_inputs, pm)
+        compiled = _run_pipeline_and_emit(gm, example_inputs, pm, original)
     except PassFailed:
         raise
     except Exception as e:  # noqa: BLE001 - the code generator rejected what our passes produced

@@ -55,11 +55,12 @@ def _extras(graph: fx.Graph) -> dict[str, dict[str, Any]]:
 _MODULE_DICTS = ("_modules", "_parameters", "_buffers")
 
 
-def snapshot(gm: fx.GraphModule) -> GraphSnapshot:
-    """A copy of the graph (nodes and their meta, shallowly) and of the module's attribute tables."""
+def snapshot(gm: fx.GraphModule, graph: fx.Graph | None = None) -> GraphSnapshot:
+    """A copy of the graph (nodes and their meta, shallowly) and of the module's attribute tables. ``graph``: a
+    ``copy_graph`` of ``gm.graph`` as it is now, already made (kept, not copied again)."""
     attrs = {k: dict(getattr(gm, k)) for k in _MODULE_DICTS}
     attrs["__dict__"] = {k: v for k, v in gm.__dict__.items() if k not in _MODULE_DICTS}
-    return GraphSnapshot(copy_graph(gm.graph), attrs, _extras(gm.graph))
+    return GraphSnapshot(graph if graph is not None else copy_graph(gm.graph), attrs, _extras(gm.graph))
 
 
 def copy_graph(graph: fx.Graph) -> fx.Graph:

@@ -122,7 +122,10 @@ class PassManager:
         done.add(stage)
         return False
 
-    def run_stage(self, gm: fx.GraphModule, stage: str, is_inference: bool | None = None) -> StageRecord:
+    def run_stage(self, gm: fx.GraphModule, stage: str, is_inference: bool | None = None,
+                  snapshot: graph_utils.GraphSnapshot | None = None) -> StageRecord:
+        """Run the passes of ``stage`` on ``gm``. ``snapshot``: one already taken of ``gm`` as it is (the
+        backend's, of Dynamo's graph), the first pass's rollback point."""
         if is_inference is None:
             is_inference = not any(n.op == "placeholder" and n.name.startswith("tangents") for n in gm.graph.nodes)
         start = time.perf_counter()
@@ -141,7 +144,7 @@ class PassManager:
                 guard = LossyGuard(gm, inputs())
             except Exception as e:  # noqa: BLE001 - each lossy pass steps aside with it (see _guarded)
                 guard = e
-        snap = None  # the graph as the last pass left it, for a rollback: copied again only after a change
+        snap = snapshot  # the graph as the last pass left it, for a rollback: copied again only after a change
         for spec in passes:
             rec, code, before, snap = self._run_pass(spec, gm, stage, is_inference, code, inputs, guard, snap)
             record.passes.append(rec)
@@ -258,7 +261,8 @@ class PassManager:
             attrs = _attrs_of(gm, snap.graph, after_graph)
             rec._diff_from = functools.partial(_diff_of_graphs, type(gm).__name__, attrs, snap.graph, after_graph,
                                                names)
-            return rec, None, snap.graph, None
+            # the copy for the diff is also the next pass's rollback point (neither changes a graph it holds)
+            return rec, None, snap.graph, graph_utils.snapshot(gm, after_graph)
         before = code_before if code_before is not None else graph_utils.readable_code(gm, snap.graph)
         after = graph_utils.readable_code(gm)
         rec.diff = graph_utils.unified_diff(before, after, *names)
