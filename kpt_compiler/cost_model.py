@@ -144,24 +144,14 @@ def _source_hashes_path() -> Path:
 
 
 def _source_hashes() -> dict:
-    try:
-        return json.loads(_source_hashes_path().read_text())
-    except (OSError, ValueError):
-        return {}
+    return _read_json(_source_hashes_path())
 
 
 def _keep_source_hash(raw: str, result: str) -> None:
-    with _lock:
-        data = _source_hashes()
-        data[raw] = result
-        path = _source_hashes_path()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data))
-            tmp.replace(path)
-        except OSError:  # a read-only home: the hash is still right, only not kept
-            pass
+    try:
+        _put_json(_source_hashes_path(), raw, result)
+    except OSError:  # a read-only home: the hash is still right, only not kept
+        pass
 
 
 @functools.lru_cache(maxsize=64)
@@ -270,22 +260,31 @@ def cache_path() -> Path:
     return Path(root) / "decisions.json"
 
 
-def _load_cache() -> dict:
+def _read_json(path: Path) -> dict:
     try:
-        return json.loads(cache_path().read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _store(key: str, value: dict) -> None:
+def _put_json(path: Path, key: str, value: Any) -> None:
+    """Set ``key`` in the JSON file at ``path``, written whole to a file of this process's and moved over it (a
+    reader never sees half a file; another process's entry written meanwhile may be lost, and found again)."""
     with _lock:
-        data = _load_cache()
+        data = _read_json(path)
         data[key] = value
-        path = cache_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1))
         tmp.replace(path)
+
+
+def _load_cache() -> dict:
+    return _read_json(cache_path())
+
+
+def _store(key: str, value: dict) -> None:
+    _put_json(cache_path(), key, value)
 
 
 class CostModel:

@@ -79,10 +79,10 @@ def _fuse(gm, node, ctx, how):  # act(linear(x, Wg)) * linear(x, Wu) -> gated_li
     if found is None:
         return False
     name, gate, up, x = found
-    if not ask(ctx, how, node, **_ask_args(name, gate, x)):
+    asked = _ask_args(name, gate, x)
+    if not ask(ctx, how, node, **asked):
         return False
-    from kpt_compiler.kernels import gated_linear as kernel
-
+    kernel = asked["source"]  # kernels/gated_linear.py
     wg, wu = ir.arg(gate, "weight"), ir.arg(up, "weight")
     with gm.graph.inserting_before(node):
         new = emit(gm, fused_op(ctx, kernel, "gated_linear", needs_grad(node)), (x, wg, wu, name), like=node)

@@ -119,11 +119,11 @@ def _ask_args(x: fx.Node, group: list[fx.Node], K: int, dtype: torch.dtype) -> d
                 unfused_kernels=len(Ns), ours=ours, baseline_ms=gemm_baseline(device, M, K, Ns, dtype, 0))
 
 
-def _mergeable(x: fx.Node, order: dict) -> list[tuple[tuple, list[fx.Node]]]:
-    """The groups of linears on ``x`` that a merge can take, in graph order: each member's inputs defined before
-    the group's first linear (the merged one stands there), and every ``.view`` of a member still valid."""
+def _mergeable(groups: dict, order: dict) -> list[tuple[tuple, list[fx.Node]]]:
+    """Of ``_groups(x)``, those a merge can take, in graph order: each member's inputs defined before the
+    group's first linear (the merged one stands there), and every ``.view`` of a member still valid."""
     out = []
-    for key, group in _groups(x).items():
+    for key, group in groups.items():
         if len(group) < 2:
             continue
         first = min(group, key=order.__getitem__)
@@ -140,7 +140,7 @@ def merge_candidate(node: fx.Node) -> dict | None:
     this rewrite against its own."""
     x = ir.arg(node, "input")
     order = {n: i for i, n in enumerate(node.graph.nodes)}
-    for (dtype, K, _), group in _mergeable(x, order):
+    for (dtype, K, _), group in _mergeable(_groups(x), order):
         if node in group:
             return _ask_args(x, group, K, dtype)
     return None
@@ -152,7 +152,7 @@ def _merge(gm, x, ctx, how):  # linear(x, W1), linear(x, W2), ... -> split(linea
         return False  # the common case (this runs for every node): no graph walk
     changed = False
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for (dtype, K, no_bias), group in _mergeable(x, order):
+    for (dtype, K, no_bias), group in _mergeable(groups, order):
         first = group[0]
         asked = _ask_args(x, group, K, dtype)
         Ns = asked["shapes"]["N"]
