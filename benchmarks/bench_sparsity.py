@@ -1,7 +1,7 @@
 """2:4 semi-structured sparsity microbenchmark (issue 19): cuSPARSELt and CUTLASS 2:4 GEMMs against bf16 cuBLAS and fp8.
 
     python -m benchmarks.bench_sparsity [--out DIR] [--ms 1,16,128,2048,8192] [--shapes NxK,...] [--[no-]mlps]
-                                        [--rep-ms MS]
+                                        [--rep-ms MS] [--taken MODEL,...]
     (CUDA; --device cpu runs a smoke test of the table on tiny shapes, the sparse columns through dense references)
 
 ``y = x @ w.T`` with x [M, K] and w [N, K] in bf16, for Llama-3-8B's attention, MLP up and MLP down weights
@@ -31,7 +31,13 @@ characters. TFLOP/s counts 2 M N K for every column (sparse ones do half the mul
 dense-equivalent rate); "vs bf16" is dense bf16's time over the column's. "rel. err" is each sparse column
 against the fp32 matmul of the same pruned weight (fp8 + 2:4: of its dequantized operands; the JSON also has it
 against fp8 dense of the pruned weight); "pruning SQNR" is the pruned layer's fp32 output against the unpruned
-one's, the accuracy pruning random weights costs. ``--out DIR`` writes bench_sparsity.json and bench_sparsity.md
+one's, the accuracy pruning random weights costs.
+
+``--taken bert-sdpa,vit-sdpa`` asks the pass itself instead of a shape list: each zoo model (benchmarks/zoo.py, its
+first inference case, bf16) is compiled with the zoo's ``kpt[2:4+cudagraphs]`` options (the gate under "auto",
+graphs captured) and run once; every layer its report says the pass took becomes a row at the M the pass saw
+(one row per distinct shape; "xN" counts the layers), so "2:4 kpt vs bf16" shows whether a layer the gate took
+is slower than dense. The pass's near misses for those models are printed. ``--out DIR`` writes bench_sparsity.json and bench_sparsity.md
 (card, date, commit, torch, command); the markdown table is printed last.
 """
 
@@ -41,6 +47,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import re
 import sys
 
 import torch
@@ -54,6 +61,7 @@ from kpt_compiler.passes._fp8_static import fp8_linear_static
 from kpt_compiler.passes._sparse24 import prune_2_4
 
 from .bench_rms_norm import require_cuda, write_out
+from .option_sets import OPTION_SETS
 from .outputs import run_meta
 
 LLAMA = {(4096, 4096): "Llama-3-8B attn", (14336, 4096): "Llama-3-8B MLP up", (4096, 14336): "Llama-3-8B MLP down"}
@@ -225,6 +233,56 @@ def run(layers, device: str, rep_ms: float) -> list[dict]:
     return rows
 
 
+TAKEN_NOTE = re.compile(r"^(?P<label>.+?): (?P<M>\d+)x(?P<K>\d+) @ \d+x(?P<N>\d+), (already 2:4|pruned to 2:4)")
+
+
+def taken_layers(model, inputs, options) -> tuple[list[tuple[str, int, int, int]], list[str]]:
+    """Compile ``model`` with the backend and ``options``, run it once on ``inputs`` without gradients; the layers
+    the sparsity-2-4 pass took, as (label, N, K, M) in graph order, and its near misses, from the reports."""
+    import kpt_compiler
+
+    kpt_compiler.clear_reports()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend="kernelpytorch", options=options)(*inputs)
+    taken, misses = [], []
+    for report in kpt_compiler.reports():
+        for record in report.passes():
+            if record.name != "sparsity-2-4":
+                continue
+            for note in record.notes:
+                m = TAKEN_NOTE.match(note)
+                if m:
+                    taken.append((m["label"], int(m["N"]), int(m["K"]), int(m["M"])))
+                elif note.startswith("near miss"):
+                    misses.append(note)
+    return taken, misses
+
+
+def zoo_layers(models: list[str], device: str) -> list[tuple[str, int, int, list[int]]]:
+    """``--taken``: the layers the pass takes in each zoo model, one per distinct (N, K, M), in bench rows."""
+    from . import measure, zoo
+
+    layers, done = [], set()
+    for entry, case in zoo.cases("full", device, models):
+        if case.task != "inference" or entry.name in done:
+            continue
+        done.add(entry.name)
+        model, make_inputs = measure.prepare(entry, device, torch.bfloat16)
+        inputs = tuple(x.to(torch.bfloat16) if x.is_floating_point() else x
+                       for x in make_inputs(case.batch, case.seq, device))
+        taken, misses = taken_layers(model.eval(), inputs, OPTION_SETS["2:4+cudagraphs"])
+        print(f"{entry.name} {entry.shape(case)}: the pass took {len(taken)} layers; near misses:", *misses,
+              sep="\n  ", flush=True)
+        shapes: dict[tuple[int, int, int], list[str]] = {}
+        for label, n, k, m in taken:
+            shapes.setdefault((n, k, m), []).append(label)
+        layers += [(f"{entry.name}: {labels[0]} x{len(labels)}", n, k, [m]) for (n, k, m), labels in shapes.items()]
+        del model, inputs
+        measure.cleanup(device)
+    return layers
+
+
 def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> str:
     ref = card == "cpu"
     timed = ("wall clock on the CPU: a smoke test, not a figure. The 2:4 columns are the dense masked REFERENCE "
@@ -262,9 +320,13 @@ def main(argv=None) -> int:
                    help="add the MLP layers of BERT-base, ViT-base and the zoo's Llama at their own M (default: "
                    "on for CUDA without --shapes)")
     p.add_argument("--rep-ms", type=float, default=100)
+    p.add_argument("--taken", default=None, help="zoo models (comma-separated): time the layers the pass takes "
+                   "in each, at their own M, instead of --shapes and --mlps")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke test of the table on tiny shapes (dense references, wall-clock times)")
     args = p.parse_args(argv)
+    if args.taken and args.device != "cuda":
+        p.error("--taken compiles zoo models with the 2:4 pass's sparse kernels: CUDA only (--device cuda)")
     if args.device == "cuda":
         error = require_cuda("bench_sparsity")
         if error:
@@ -274,7 +336,9 @@ def main(argv=None) -> int:
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else \
         list(LLAMA) if args.device == "cuda" else TINY
     layers = [(LLAMA.get(s, "tiny" if args.device == "cpu" else "-"), *s, ms) for s in shapes]
-    if args.mlps or (args.mlps is None and args.device == "cuda" and not args.shapes):
+    if args.taken:
+        layers = zoo_layers(args.taken.split(","), args.device)
+    elif args.mlps or (args.mlps is None and args.device == "cuda" and not args.shapes):
         layers += [(layer, n, k, [m]) for layer, n, k, m in MLPS]
     rows = run(layers, args.device, args.rep_ms)
     meta = {**run_meta("bench_sparsity", argv, args.device), "columns": list(COLUMNS),

@@ -44,3 +44,20 @@ def test_a_kernel_that_raises_is_a_cell_that_says_unsupported(tmp_path, monkeypa
     line = capsys.readouterr().out.strip().splitlines()[-1]  # the table is printed last
     assert line.startswith("| tiny | 32x64 | 3 |")
     assert line.count("unsupported") == 3
+
+
+def test_taken_layers_reads_the_layers_the_pass_took_at_the_rows_it_saw():
+    """``--taken``'s source: the pass's own report, so a layer the gate takes is timed at its real shape."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 128),
+                                torch.nn.Linear(128, 256)).to(torch.bfloat16).eval()  # the last: under 256
+    x = torch.randn(3, 5, 256, dtype=torch.bfloat16)
+    taken, misses = bench_sparsity.taken_layers(model, (x,), {"codegen": "eager", "sparsity_2_4": {
+        "kernel": "dense", "min_features": 128}})
+    assert [(n, k, m) for _, n, k, m in taken] == [(512, 256, 15), (128, 512, 15), (256, 128, 15)], taken
+    assert not misses
+    taken, misses = bench_sparsity.taken_layers(model, (x,), {"codegen": "eager", "sparsity_2_4": {
+        "kernel": "dense"}})
+    assert [(n, k) for _, n, k, _ in taken] == [(512, 256)], taken
+    assert len(misses) == 2 and all("min_features" in m or "256" in m for m in misses), misses
