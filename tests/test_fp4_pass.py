@@ -217,9 +217,11 @@ def test_released_weights_free_their_copies_and_the_recompile_reads_the_fp4_code
             model.up.weight.copy_(torch.zeros(512, 256, dtype=torch.float16))
 
 
-def test_the_committed_h100_table_takes_decoding_sizes_and_declines_prefill_sizes(monkeypatch):
-    """The H100's fp4_linear_nvfp4 table (benchmarks/calibrate.py, 2026-11-27): at M=1 the kernel read its
-    weights about 2x faster than bf16 cuBLAS; at M=256 it is about 3x slower. Another card has no table."""
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_the_committed_h100_table_takes_decoding_sizes_and_declines_prefill_sizes(monkeypatch, fmt):
+    """The H100's fp4_linear_nvfp4 table (benchmarks/calibrate.py, 2026-11-27) and fp4_linear_mxfp4 table
+    (2026-11-28): at M=1 the kernel read its weights about 2x faster than bf16 cuBLAS; at M=256 it is about 3x
+    slower. Another card has no table."""
     from kpt_compiler import cost_model as cm
     from kpt_compiler.kernels import fp4_linear
     from kpt_compiler.target import Target
@@ -227,12 +229,12 @@ def test_the_committed_h100_table_takes_decoding_sizes_and_declines_prefill_size
     monkeypatch.delenv("KPT_CALIBRATION_DIR", raising=False)
     h100 = Target("cuda", "NVIDIA H100 80GB HBM3", (9, 0))
     cal = cm.CostModel(h100).calibration
-    if cal is None or cal.table("fp4_linear_nvfp4", torch.bfloat16) is None:
-        pytest.skip("no H100 fp4 table committed")
+    if cal is None or cal.table(f"fp4_linear_{fmt}", torch.bfloat16) is None:
+        pytest.skip(f"no H100 {fmt} table committed")
 
     def decide(M, target=h100):
         return cm.CostModel(target).decide("auto", cm.Candidate(
-            "fp4_linear_nvfp4", M, {"K": 4096, "N": 14336}, torch.bfloat16, fp4_linear, mkn=(M, 4096, 14336)))
+            f"fp4_linear_{fmt}", M, {"K": 4096, "N": 14336}, torch.bfloat16, fp4_linear, mkn=(M, 4096, 14336)))
 
     assert decide(1).rewrite, decide(1).why
     late = decide(256)
