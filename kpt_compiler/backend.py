@@ -82,7 +82,9 @@ def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm
     for wrapper in pm.call_wrappers:  # e.g. bucketing: pad the arguments, slice the outputs
         compiled = wrapper(compiled)
     if pm.call_hooks or pm.return_hooks:
-        return _with_call_hooks(compiled, pm.call_hooks, pm.return_hooks)
+        compiled = _with_call_hooks(compiled, pm.call_hooks, pm.return_hooks)
+    for wrapper in pm.built_wrappers:  # e.g. bucketing: a specialized graph served by its frame's dynamic one
+        compiled = wrapper(compiled, pm.report.notes)
     return compiled
 
 

@@ -71,6 +71,8 @@ class PassManager:
         self.return_hooks: list[Callable[[Any], Any]] = []  # run on the outputs of each call (ctx.after_each_call)
         self.call_wrappers: list[Callable[[Callable], Callable]] = []  # wrap the compiled graph (ctx.wrap_each_call)
         self.defer_calls = 0  # compile at this call, eager before (ctx.defer_compile)
+        self.built_wrappers: list[Callable] = []  # around the built callable (ctx.wrap_built)
+        self.compile_key = repr(sorted(options.to_dict().items(), key=str))  # ctx.compile_key
         self.late_notes: list[tuple[PassRecord, Callable[[list[str]], None]]] = []  # ctx.note_after_compile
         # (stage, is_inference) of the graph an emitter is compiling now, for hooks that are not told (Inductor's)
         self.emitter_stage: list[tuple[str, bool]] = []
@@ -166,7 +168,7 @@ class PassManager:
                            is_inference=is_inference, mode=self.options.mode, codegen=self.codegen,
                            cost_model=self.cost_model, allowed=allowed, inputs_fn=inputs, graph_module=graph_module,
                            explicit=self.options.passes[spec.name].explicit, cuda_graphs=self._cuda_graphs(),
-                           other_pass=self.options_if_runs)
+                           other_pass=self.options_if_runs, compile_key=self.compile_key)
 
     def options_if_runs(self, name: str) -> Any:
         """The options of pass ``name`` where it runs in this compile (in the pipeline, switched on, for this
@@ -248,6 +250,7 @@ class PassManager:
         self.aot_contexts += ctx.aot_contexts
         self.late_notes += [(rec, take_notes) for take_notes in ctx.late_notes]
         self.defer_calls = max(self.defer_calls, ctx.defer_calls)  # a pass may defer a graph it leaves as it is
+        self.built_wrappers += ctx.built_wrappers  # or serve it by another graph
         if not changed:
             return rec, code_before, None, snap
         self.inductor_patches.update(ctx.inductor_patches)

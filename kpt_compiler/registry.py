@@ -94,6 +94,8 @@ class PassContext:
     call_wrappers: list[Callable[[Callable], Callable]] = dataclasses.field(default_factory=list)
     # compile at the n-th call, running the graph as it is before (see defer_compile); 0: now
     defer_calls: int = 0
+    # wrappers of the whole compiled callable, hooks included, kept where the graph is unchanged (see wrap_built)
+    built_wrappers: list[Callable[[Callable, list[str]], Callable]] = dataclasses.field(default_factory=list)
     # notes made once the graph is compiled (see note_after_compile)
     late_notes: list[Callable[[list[str]], None]] = dataclasses.field(default_factory=list)
     # lossy passes that say what each rewrite replaced: label -> (the new node's name, the exact function)
@@ -109,6 +111,8 @@ class PassContext:
     # another pass's options where it runs in this compile (in the pipeline, switched on, for this target), else
     # None: a pass that takes nodes a later one would also take weighs the later one's rewrite (sparsity-2-4)
     other_pass: Callable[[str], Any] = lambda name: None
+    # the compile's options (all passes'), as a key: graphs of one frame compiled alike share it (bucketing)
+    compile_key: str = ""
 
     def count(self, stat: str = "matches", n: int = 1) -> None:
         self.stats[stat] += n
@@ -174,6 +178,15 @@ class PassContext:
         if self.stage != "pre_aot":
             raise RuntimeError("defer_compile is for pre_aot passes")
         self.defer_calls = max(self.defer_calls, calls)
+
+    def wrap_built(self, wrapper: Callable[[Callable, list[str]], Callable]) -> None:
+        """Have ``wrapper(built, notes) -> callable`` take the compiled graph as the caller gets it (outside every
+        hook; pre_aot passes, kept even where the pass left the graph as it is; ``notes``: the graph report's, for
+        what happens at its calls): to serve this graph by another (bucketing: a graph Dynamo specialized, served
+        by its frame's dynamic graph) or to keep a reference."""
+        if self.stage != "pre_aot":
+            raise RuntimeError("wrap_built is for pre_aot passes")
+        self.built_wrappers.append(wrapper)
 
     def note_after_compile(self, take_notes: Callable[[list[str]], None]) -> None:
         """Once the code generator has compiled the graph, hand ``take_notes`` this pass's notes in the report

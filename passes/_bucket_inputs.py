@@ -103,3 +103,27 @@ def _output_dims(gm: fx.GraphModule, padded: frozenset) -> list[tuple[int, list[
             return None
     return result
 
+
+def _value(expr: Any, values: dict) -> int:
+    return int(expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+
+
+def _guards_hold(shape_env: Any, values: dict, padded: tuple = ()) -> bool:
+    """Whether the compiled code's guards and value ranges hold at these sizes. Guards on no padded symbol
+    held for the real call (Dynamo checked them); the others must hold here, Dynamo's replacements applied (a
+    symbol these sizes do not give: no)."""
+    if shape_env is None:
+        return True
+    subs = {s: sympy.Integer(v) for s, v in values.items()}
+    for s in padded or values:
+        vr = shape_env.var_to_range.get(s)
+        if vr is not None and not (vr.lower <= values[s] <= vr.upper):
+            return False
+    for guard in shape_env.guards:
+        expr = shape_env.replace(guard.expr)
+        if padded and not expr.free_symbols & set(padded):
+            continue
+        r = expr.xreplace(subs)
+        if r is not sympy.true and r != True:  # noqa: E712 - sympy booleans
+            return False
+    return True

@@ -35,12 +35,15 @@ from kpt_compiler import graph_utils
 from kpt_compiler import torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
+from . import _bucket_frames as frames
 from . import _ladder as ladder
-from ._bucket_inputs import (_has, _input_facts, _mutated_placeholders, _output_dims, _padded_placeholders,
-                             _shape_env, _trace)
+from ._bucket_frames import CannotServe
+from ._bucket_inputs import (_guards_hold, _has, _input_facts, _mutated_placeholders, _output_dims,
+                             _padded_placeholders, _shape_env, _trace, _value)
 from ._padding_proof import Unprovable, prove
 
 MAX_SYMBOL_RETRIES = 4
+
 AUTO_AFTER_SHAPES = 4  # on by default: distinct sizes the dynamic graph meets before it pads
 FIT_AFTER_SHAPES = 8  # buckets="fit": the fewest distinct sizes a ladder is fitted to
 
@@ -98,6 +101,7 @@ class Plan:
     after_shapes: int = 1  # pads from the call at which the graph has met this many distinct sizes
     met: set = dataclasses.field(default_factory=set)  # the distinct sizes met while waiting
     ladders: dict | None = None  # buckets="fit": symbol -> its fitted ladder
+    forced: bool = False  # this call's sizes break the code's guards (another graph served by this one): pad
 
     def __post_init__(self):
         where = list(self.sources)  # the padded symbols' places among the sizes ``call`` reads
@@ -133,6 +137,8 @@ class Plan:
                 if self.notes is not None and self.watched:
                     self.notes.append(f"call {self.calls}: a buffer the proof read changed; calls run unpadded")
                 self.watched, self.withdrawn = [], "a buffer the proof read changed"
+        if self.forced:
+            return self._forced(compiled, args)
         if self.withdrawn or self.graphs is None and not self.pad_always:
             return compiled(*args)
         real = tuple(_size(args, where) for where in self.sources.values())
@@ -151,9 +157,12 @@ class Plan:
             if len(self._memo) > 4096:
                 self._memo.clear()
             sizes = self._memo[real] = self._sizes(dict(zip(self.sources, real)), args)
-        key, shapes, sym_values, out_sizes = sizes
-        if key is None:  # every size a bucket already (and no graphs to replay), or a guard broken there
+        if sizes[0] is None:  # every size a bucket already (and no graphs to replay), or a guard broken there
             return compiled(*args)
+        return self._padded(compiled, args, sizes)
+
+    def _padded(self, compiled: Callable, args: Sequence[Any], sizes: tuple, forced: bool = False) -> Any:
+        key, shapes, sym_values, out_sizes = sizes
         new = list(args)
         for (i, _), v in zip(self.sym_args, sym_values):
             new[i] = v
@@ -161,22 +170,41 @@ class Plan:
             outs = self.graphs.run(key, compiled, new, list(shapes), shapes, dict(zip(self.symbols, key)))
             if outs is not None:
                 return self._slice(outs, out_sizes, copy=True)
-        if not self.pad_always and key in self.graphs.declined:
-            return compiled(*args)  # no CUDA graph holds this bucket: its own sizes cost less than padded ones
+            if not forced and not self.pad_always and key in self.graphs.declined:
+                return compiled(*args)  # no CUDA graph holds this bucket: its own sizes cost less than padded ones
         for i, shape in shapes.items():
             t = args[i]
-            pad = [0] * (2 * t.dim())
-            for d in range(t.dim()):
-                pad[2 * (t.dim() - 1 - d) + 1] = shape[d] - t.shape[d]
+            pad = [p for d in reversed(range(t.dim())) for p in (0, shape[d] - t.shape[d])]
             new[i] = F.pad(t, pad) if any(pad) else t
         return self._slice(compiled(*new), out_sizes, copy=False)
 
+    def _forced(self, compiled: Callable, args: Sequence[Any]) -> Any:
+        """A call whose sizes the code was not compiled for (a graph of the same frame that Dynamo specialized,
+        batch 1 say, served by this one: passes/_bucket_frames.py): padded to a bucket where the code's guards
+        hold, never run at its own sizes; CannotServe where no bucket does."""
+        if self.withdrawn or set(self.sources) - set(self.symbols):
+            raise CannotServe(self.withdrawn or "a dynamic size this graph does not pad")
+        real = tuple(_size(args, where) for where in self.sources.values())
+        sizes = self._memo.get(real)
+        if sizes is None:
+            sizes = self._memo[real] = self._sizes(dict(zip(self.sources, real)), args)
+        if sizes[0] is None:
+            raise CannotServe("no bucket of these sizes keeps the guards the code was compiled under")
+        return self._padded(compiled, args, sizes, forced=True)
+
+    def _lowest(self, s: Any) -> int:
+        """The least size the code was compiled for (Dynamo's dynamic sizes start at 2: 0 and 1 specialize)."""
+        vr = self.shape_env.var_to_range.get(s) if self.shape_env is not None else None
+        lower = getattr(vr, "lower", 0)
+        return int(lower) if lower is not None and lower != -sympy.oo else 0
+
     def _sizes(self, real: dict, args: Sequence[Any]) -> tuple:
         """For one set of real sizes: (the bucket, or None to call unpadded; padded input shapes; SymInt
-        arguments; the real sizes of the outputs' padded dims)."""
+        arguments; the real sizes of the outputs' padded dims). A bucket is never under the least size the code
+        was compiled for."""
         padded = dict(real)
         for s in self.symbols:
-            padded[s] = self.bucket(real[s], s)
+            padded[s] = self.bucket(max(real[s], self._lowest(s)), s)
         key = tuple(padded[s] for s in self.symbols)
         if self.graphs is None and all(padded[s] == real[s] for s in self.symbols):
             return None, {}, [], []
@@ -219,31 +247,6 @@ def _size(args: Sequence[Any], where: tuple[int, int]) -> int:
     return int(args[i]) if d < 0 else int(args[i].shape[d])
 
 
-def _value(expr: Any, values: dict) -> int:
-    return int(expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
-
-
-def _guards_hold(shape_env: Any, values: dict, padded: tuple = ()) -> bool:
-    """Whether the compiled code's guards and value ranges hold at these sizes. Guards on no padded symbol
-    held for the real call (Dynamo checked them); the others must hold here, Dynamo's replacements applied (a
-    symbol these sizes do not give: no)."""
-    if shape_env is None:
-        return True
-    subs = {s: sympy.Integer(v) for s, v in values.items()}
-    for s in padded or values:
-        vr = shape_env.var_to_range.get(s)
-        if vr is not None and not (vr.lower <= values[s] <= vr.upper):
-            return False
-    for guard in shape_env.guards:
-        expr = shape_env.replace(guard.expr)
-        if padded and not expr.free_symbols & set(padded):
-            continue
-        r = expr.xreplace(subs)
-        if r is not sympy.true and r != True:  # noqa: E712 - sympy booleans
-            return False
-    return True
-
-
 @graph_pass("bucketing", summary="inputs whose sizes vary padded to a ladder of buckets (zeros), outputs sliced "
             "back, where the graph provably keeps the padding out of the real outputs", stage="pre_aot",
             options=BucketingOptions, default=True, statistics=("padded_dims",))
@@ -253,6 +256,9 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
                None if ctx.is_inference else "a training graph")
         if off is None and not graph_utils.has_dynamic_sizes(gm):
             ctx.note("not padded: no input size varies in this graph")
+            key = frames.frame_key(ctx)
+            if frames.known(key):  # batch 1 after the dynamic graph, say
+                _serve(gm, ctx, key)
             return False
         if off is not None:
             ctx.note(f"not padded: on by default for CUDA inference only ({off}); options={{'bucketing': True}} asks "
@@ -261,13 +267,17 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
     plan, why = make_plan(gm, ctx)
     if plan is None:
         ctx.note(f"not padded: {why}")
-        if ctx.explicit and ctx.is_inference and ctx.options.compile_static_after > 1 and \
-                not graph_utils.has_dynamic_sizes(gm):
-            ctx.defer_compile(ctx.options.compile_static_after)
-            ctx.note(f"compile deferred to call {ctx.options.compile_static_after}: Dynamo makes this graph for the "
-                     "sizes it saw first, and a stream of changing sizes may not call it again")
+        if ctx.explicit and ctx.is_inference and not graph_utils.has_dynamic_sizes(gm):
+            key = frames.frame_key(ctx)
+            if ctx.options.compile_static_after > 1:
+                ctx.defer_compile(ctx.options.compile_static_after)
+                ctx.note(f"compile deferred to call {ctx.options.compile_static_after}: Dynamo makes this graph for "
+                         "the sizes it saw first, and a stream of changing sizes may not call it again")
+            if ctx.options.compile_static_after > 1 or frames.known(key):
+                _serve(gm, ctx, key)
         return False
     gm.meta["kpt_bucketing"] = plan
+    frames.register(ctx, gm, plan)
     plan.after_shapes = ctx.options.after_shapes if ctx.explicit else AUTO_AFTER_SHAPES
     ctx.count("padded_dims", len(plan.symbols))
     rungs = "powers of two" if plan.buckets is None else "a ladder fitted to the sizes met" if plan.buckets == "fit" \
@@ -292,6 +302,13 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
 
     ctx.note_after_compile(keep_notes)
     return True  # applied: the graph is the same; the compiled callable gets the padding around it
+
+
+def _serve(gm: fx.GraphModule, ctx: PassContext, key: tuple | None) -> None:
+    ctx.defer_compile(max(2, ctx.options.compile_static_after))
+    frames.serve(ctx, gm, key)
+    ctx.note("served by the frame's bucketed dynamic graph where its calls map onto it (padded to a bucket), "
+             "compiled only where they do not (passes/_bucket_frames.py)")
 
 
 def _no_size_range_guards():

@@ -1,0 +1,100 @@
+"""Static graphs Dynamo makes beside a bucketed dynamic one (the sizes first seen, batch 1) served by that graph
+instead of compiled (passes/_bucket_frames.py), on the CPU with codegen eager: outputs equal eager's, the static
+graphs never compiled, and every case where serving would be wrong refused."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kpt_compiler
+
+OPTIONS = {"codegen": "eager", "bucketing": {"pad": "always"}, "fusion": False}
+
+
+class Rows(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class OddAtOne(Rows):
+    def forward(self, x):
+        if x.shape[0] == 1:  # Dynamo specializes batch 1 and takes this branch there only
+            return 2 * super().forward(x)
+        return super().forward(x)
+
+
+def _stream(model, batches, options=OPTIONS):
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    fn = torch.compile(model, backend="kernelpytorch", options=options)
+    with torch.no_grad():
+        for b in batches:
+            x = torch.randn(b, 5, 16)
+            torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    return kpt_compiler.reports()
+
+
+def test_batch_1_is_served_by_the_dynamic_graph_without_a_compile():
+    reports = _stream(Rows().eval(), [3, 5, 1, 3, 1, 6, 1, 3])
+    assert len(reports) == 3  # batch 3 (static), the dynamic one, batch 1 (static)
+    first, dynamic, one = reports
+    assert dynamic.pass_record("bucketing").status == "applied"
+    assert "joint" not in first.stages  # Dynamo sends batch 3 to the dynamic graph once it exists: never compiled
+    assert any("served by the frame's" in n for n in first.pass_record("bucketing").notes)  # had it been called
+    assert "joint" not in one.stages, one.notes  # never compiled: AOTAutograd never ran
+    assert any(n.startswith("served by the frame's bucketed dynamic graph") for n in one.notes), one.notes
+    # batch 1 ran padded to the dynamic code's least size, 2 (Dynamo's dynamic sizes start there)
+    assert any("first call in bucket" in n and "=2" in n for n in dynamic.pass_record("bucketing").notes), \
+        dynamic.pass_record("bucketing").notes
+
+
+def test_a_graph_that_differs_at_batch_1_is_checked_and_compiles_its_own():
+    reports = _stream(OddAtOne().eval(), [3, 5, 1, 1, 1])
+    one = reports[2]
+    assert any("differs from this graph run as it is" in n for n in one.notes), one.notes
+    assert "joint" in one.stages  # its own compile ran (its second call)
+
+
+def test_another_model_of_the_class_is_not_served_by_the_first_ones_graph():
+    a, b = Rows().eval(), Rows().eval()  # one frame (one forward code object), other weights
+    _stream(a, [3, 5])
+    fb = torch.compile(b, backend="kernelpytorch", options=OPTIONS)  # Dynamo's cache is per code object
+    with torch.no_grad():
+        for n in (1, 1, 3):
+            x = torch.randn(n, 5, 16)
+            torch.testing.assert_close(fb(x), b(x), atol=1e-5, rtol=1e-5)
+    one = kpt_compiler.reports()[-1]
+    assert any("other parameters" in n for n in one.notes), one.notes  # checked by identity, not by the check
+
+
+def test_not_served_without_bucketing_or_in_training():
+    reports = _stream(Rows().eval(), [3, 5, 1, 1], options={**OPTIONS, "bucketing": False})
+    assert not any("served" in n for r in reports for n in r.notes)
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    model = Rows()
+    fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
+    for n in (3, 5, 1):
+        x = torch.randn(n, 5, 16)
+        torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    assert not any("served" in n for r in kpt_compiler.reports() for n in r.notes)
+
+
+def test_the_dynamic_graph_is_let_go_with_its_compiled_code():
+    """The registry holds the plan, whose CUDA graphs hold a memory pool: it must not outlive the graph."""
+    import gc
+
+    from kpt_compiler.passes import _bucket_frames as frames
+
+    before = set(frames._FRAMES)
+    _stream(Rows().eval(), [3, 5])
+    mine = set(frames._FRAMES) - before
+    assert len(mine) == 1
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    gc.collect()
+    assert not mine & set(frames._FRAMES)
