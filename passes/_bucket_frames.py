@@ -6,13 +6,17 @@ Dynamo specializes sizes 0 and 1. Each static graph costs a full compile (second
 also covers once padded to one of its buckets (a size under its least, 1 under 2, pads up to it). So a static
 inference graph whose frame has a bucketed dynamic graph (now, or by the call where its own deferred compile
 would start) is served by that graph:
-- the frame is Dynamo's (``CompileId.frame_id``, one per code object: two models of one class share it), and the
-  compile's options must be the same;
+- the frame is Dynamo's (``CompileId.frame_id``, one per code object: two models of one class share it; ids
+  restart at ``torch._dynamo.reset``, so the code objects traced are part of the key), and the compile's options
+  must be the same;
 - its arguments map onto the dynamic graph's by their Dynamo sources (``L['input_ids']``): the same tensors,
   dtypes and ranks, equal static sizes, and the dynamic graph's sizes read off them; its parameters and buffers
   must be the very objects the dynamic graph was compiled with (another model of the class is not served);
 - sizes under which the dynamic code's guards hold go through it as a call Dynamo would have sent there; others
   are padded to a bucket where they hold (``Plan._forced``), else the graph compiles its own code;
+- the two graphs must be one program: node for node the same ops, constants and outputs, the dynamic one's sizes
+  evaluated at the static one's (a forward that branches on batch 1, breaks the graph there, or reads a global
+  that changed since is another program);
 - the first served call is checked against the graph run as it is (eagerly, as the deferred compile runs it):
   outputs of other structure, shapes or dtypes, or values off by more than the dtype's tolerance, and the graph
   compiles its own code from then on. The report says which, and counts the served calls.
@@ -38,11 +42,13 @@ _FRAMES: dict[tuple, "_Dynamic"] = {}  # (frame id, the compile's options) -> it
 
 
 def frame_key(ctx) -> tuple | None:
+    """Dynamo's frame and the code it traced (frame ids restart at torch._dynamo.reset) and the options."""
     try:
         frame = torch._guards.CompileContext.current_compile_id().frame_id
+        code = tuple(torch._guards.TracingContext.try_get().traced_code)
     except Exception:  # noqa: BLE001 - outside Dynamo (a graph compiled by hand): nothing to share
         return None
-    return None if frame is None else (frame, ctx.compile_key)
+    return None if frame is None or not code else (frame, code, ctx.compile_key)
 
 
 def known(key: tuple | None) -> bool:
@@ -56,6 +62,61 @@ def _source(node: fx.Node) -> str | None:
     return name() if callable(name) else name
 
 
+_SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
+
+
+def _structure(gm: fx.GraphModule) -> list | None:
+    """The graph node for node, sizes as values: ("v", expr) for a dynamic size (a SymInt node or argument), the
+    int itself in a static graph; other nodes by their place. Two graphs of one frame are the same program at
+    some sizes when their structures are equal with the dynamic one's sizes evaluated there. None: a node this
+    comparison does not cover (a SymBool or SymFloat, a submodule, an attribute)."""
+    where: dict[fx.Node, Any] = {}
+    out: list = []
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return where[a]
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
+        if isinstance(a, slice):
+            return ("slice", arg(a.start), arg(a.stop), arg(a.step))
+        if isinstance(a, torch.Tensor):
+            return ("tensor", id(a))  # the same object or not the same program
+        return a
+
+    for node in gm.graph.nodes:
+        v = node.meta.get("example_value")
+        if isinstance(v, _SYM):
+            if not isinstance(v, torch.SymInt):
+                return None
+            where[node] = ("v", v.node.expr)
+            continue
+        if node.op == "placeholder":
+            where[node] = ("p", _source(node))
+        elif node.op in ("call_module", "get_attr"):
+            return None
+        else:
+            where[node] = ("n", len(out))
+        if node.op != "placeholder" and type(v) is int and node.op != "output":
+            where[node] = v  # a size a static graph computed
+            continue
+        if node.op != "placeholder":
+            out.append((node.op, node.target, arg(node.args), arg(node.kwargs)))
+    return out
+
+
+def _evaluated(a: Any, values: dict) -> Any:
+    if isinstance(a, tuple) and len(a) == 2 and a[0] == "v":
+        return _value(a[1], values)
+    if isinstance(a, tuple):
+        return tuple(_evaluated(x, values) for x in a)
+    if isinstance(a, list):
+        return [_evaluated(x, values) for x in a]
+    return a
+
+
 def _owned(name: str) -> bool:
     return "._parameters[" in name or "._buffers[" in name
 
@@ -63,29 +124,30 @@ def _owned(name: str) -> bool:
 class _Dynamic:
     """A bucketed dynamic graph as the caller gets it (weakly held), with what mapping onto it needs."""
 
-    def __init__(self, gm: fx.GraphModule, plan: Any, example_inputs: Sequence[Any], built: Callable):
-        self.plan, self.built = plan, weakref.ref(built)
+    def __init__(self, gm: fx.GraphModule, plan: Any, example_inputs: Sequence[Any], built: Callable,
+                 structure: list | None):
+        self.plan, self.built, self.structure = plan, weakref.ref(built), structure
         self.args: list[tuple[str | None, Any]] = []  # per argument: (its source, a tensor's shape or a SymInt's expr)
         self.owned: dict[str, Any] = {}  # source -> weakref to the parameter or buffer compiled with
         for node, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
             name, v = _source(node), node.meta.get("example_value")
             self.args.append((name, v.node.expr if isinstance(v, torch.SymInt) else
-                              (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else None))
+                              (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else None))
             if name and _owned(name) and isinstance(x, torch.Tensor):
                 self.owned[name] = weakref.ref(x)
 
 
 def register(ctx, gm: fx.GraphModule, plan: Any) -> None:
     """Keep a bucketed dynamic graph for its frame's static graphs (pass manager: once built)."""
-    key, inputs = frame_key(ctx), list(ctx.example_inputs)
-    if key is None or plan.mutated_inputs:
+    key, inputs, structure = frame_key(ctx), list(ctx.example_inputs), _structure(gm)  # as the pass sees it
+    if key is None or plan.mutated_inputs or structure is None:
         return
 
     def keep(built: Callable, notes: list[str]) -> Callable:
         if plan.withdrawn:  # withdrawn at the compile (fp8's tensorwise scales): its calls are never padded
             return built
         try:
-            entry = _FRAMES[key] = _Dynamic(gm, plan, inputs, built)
+            entry = _FRAMES[key] = _Dynamic(gm, plan, inputs, built, structure)
         except TypeError:  # a callable without weak references: not kept
             return built
         # the plan holds the graphs' pool: let it go with the graph (torch._dynamo.reset, the model deleted)
@@ -125,15 +187,20 @@ class _Mapping:
         self.shapes = [(i, what) for (name, what), i in zip(dyn.args, self.take) if isinstance(what, tuple)]
 
     def values(self, args: Sequence[Any]) -> dict | None:
-        for i, ref in self.owned:
-            if args[i] is not ref():
-                return None  # another model's parameters (or one replaced): not this graph's
-        for i, (shape, dtype) in self.shapes:
+        """The dynamic graph's sizes at these arguments, or None where they do not fit it (read once: the static
+        graph's own guards hold its arguments' sizes, dtypes and devices from call to call)."""
+        if not self.same_owned(args):
+            return None
+        for i, (shape, dtype, device) in self.shapes:
             t = args[i]
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != len(shape) or any(
-                    not isinstance(s, torch.SymInt) and s != n for s, n in zip(shape, t.shape)):
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device or t.dim() != len(shape) \
+                    or any(not isinstance(s, torch.SymInt) and s != n for s, n in zip(shape, t.shape)):
                 return None
         return {s: int(args[i].shape[d]) for s, (i, d) in self.dims.items()}
+
+    def same_owned(self, args: Sequence[Any]) -> bool:
+        """The parameters and buffers are the objects the dynamic graph was compiled with (per call)."""
+        return all(args[i] is ref() for i, ref in self.owned)
 
     def args(self, args: Sequence[Any], values: dict) -> list[Any]:
         return [args[t] if isinstance(t, int) else _value(t, values) for t in self.take]
@@ -146,16 +213,31 @@ class Served:
         self.key, self.gm, self.own, self.notes = key, gm, own, notes
         # read now: Dynamo drops its placeholders' sources once the backend returns
         self.sources = [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        self.structure = _structure(gm)
         self.bound: _Dynamic | None = None  # the dynamic graph checked at the first served call
         self.mapping: _Mapping | None = None
+        self.values: dict = {}
+        self.outside = False
         self.off: str | None = None
         self.served = 0
-        self._outside: dict[tuple, bool] = {}
 
     def _stop(self, why: str) -> None:
         self.off = why
         self.notes.append(f"not served by the frame's dynamic graph from call {self.served + 1}: {why}; this graph "
                           "compiles its own code")
+
+    def _prepare(self, dyn: _Dynamic, args: Sequence[Any]) -> str | None:
+        """Map onto ``dyn`` once: the arguments, the sizes, the same program, where its guards put them."""
+        self.mapping = mapping = _Mapping(self.sources, dyn)
+        if mapping.why:
+            return mapping.why
+        values = mapping.values(args)
+        if values is None:
+            return "its inputs do not map onto the dynamic graph's (other parameters, dtypes, devices or sizes)"
+        if self.structure is None or _evaluated(dyn.structure, values) != self.structure:
+            return "it is not the dynamic graph's program at its sizes (another op, constant or output)"
+        self.values, self.outside = values, not _guards_hold(dyn.plan.shape_env, values)
+        return None
 
     def __call__(self, *args: Any) -> Any:
         if self.off is not None:
@@ -165,36 +247,31 @@ class Served:
         if built is None:
             return self.own(*args)
         if self.mapping is None or self.mapping.dyn is not dyn:
-            self.mapping = _Mapping(self.sources, dyn)
-        values = self.mapping.values(args) if self.mapping.why is None else None
-        if values is None:
-            self._stop(self.mapping.why or "its inputs do not map onto the dynamic graph's (other parameters, "
-                       "dtypes or static sizes)")
+            why = self._prepare(dyn, args)
+            if why:
+                self._stop(why)
+                return self.own(*args)
+        elif not self.mapping.same_owned(args):
+            self._stop("its parameters are no longer the ones the dynamic graph was compiled with")
             return self.own(*args)
-        real = tuple(values.values())
-        outside = self._outside.get(real)
-        if outside is None:
-            outside = self._outside[real] = not _guards_hold(dyn.plan.shape_env, values)
         try:
-            dyn.plan.forced = outside
-            out = built(*self.mapping.args(args, values))
+            dyn.plan.forced = self.outside
+            out = built(*self.mapping.args(args, self.values))
+            why = None if self.bound is not None else _differs(out, self.gm(*args))  # the first: checked
         except CannotServe as e:
-            self._stop(str(e))
-            return self.own(*args)
+            why = str(e)
         except Exception as e:  # noqa: BLE001 - the dynamic code refused these inputs: this graph's own code runs
-            self._stop(f"the dynamic graph raised {type(e).__name__}: {str(e)[:200]}")
-            return self.own(*args)
+            why = f"the dynamic graph raised {type(e).__name__}: {str(e)[:200]}"
         finally:
             dyn.plan.forced = False
+        if why:
+            self._stop(why if self.bound is not None or why.startswith("the dynamic") else
+                       f"its first call differs from this graph run as it is ({why})")
+            return self.own(*args)
         if self.bound is None:
-            reference = self.gm(*args)  # this graph as it is, eagerly (as its deferred compile runs it until then)
-            why = _differs(out, reference)
-            if why:
-                self._stop(f"its first call differs from this graph run as it is ({why})")
-                return reference
             self.bound = dyn
-            self.notes.append("served by the frame's bucketed dynamic graph (checked against this graph on its first "
-                              "call): no compile of its own")
+            self.notes.append("served by the frame's bucketed dynamic graph (the same program at its sizes, checked "
+                              "against this graph on its first call): no compile of its own")
         self.served += 1
         return out
 

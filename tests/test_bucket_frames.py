@@ -54,11 +54,54 @@ def test_batch_1_is_served_by_the_dynamic_graph_without_a_compile():
         dynamic.pass_record("bucketing").notes
 
 
-def test_a_graph_that_differs_at_batch_1_is_checked_and_compiles_its_own():
-    reports = _stream(OddAtOne().eval(), [3, 5, 1, 1, 1])
-    one = reports[2]
-    assert any("differs from this graph run as it is" in n for n in one.notes), one.notes
-    assert "joint" in one.stages  # its own compile ran (its second call)
+class BreaksAtOne(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.shape[0] == 1:
+            torch._dynamo.graph_break()  # at batch 1 only: that graph is the part before, of the same frame
+        return torch.where(h > 0.5, 2 * h, h)
+
+
+CLAMP = [False]
+
+
+class ReadsAGlobal(Rows):
+    def forward(self, x):
+        y = super().forward(x)
+        return y.clamp(max=0.05) if CLAMP[0] else y
+
+
+def _refused(report, why):
+    assert any(why in n for n in report.notes), report.notes
+    assert "joint" in report.stages  # its own compile ran (its second call)
+
+
+def test_a_graph_that_is_another_program_at_batch_1_compiles_its_own():
+    """Padding 1 to 2 runs the dynamic graph's code; a forward that branches on batch 1, breaks the graph there
+    only, or reads a global that changed since, is another program: refused by the graphs' structure (values
+    alone would pass the first call's check where the difference depends on them)."""
+    _refused(_stream(OddAtOne().eval(), [3, 5, 1, 1, 1])[2], "not the dynamic graph's program at its sizes")
+    reports = _stream(BreaksAtOne().eval(), [3, 5, 1, 1, 1])
+    assert any("not the dynamic graph's program" in n for r in reports[2:] for n in r.notes)
+    model = ReadsAGlobal().eval()
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
+    try:
+        with torch.no_grad():
+            for i, b in enumerate([3, 5, 1, 1, 4, 1]):
+                CLAMP[0] = i >= 2  # changes after the dynamic graph exists
+                x = torch.randn(b, 5, 16)
+                if i and b > 1:
+                    torch._dynamo.mark_dynamic(x, 0)
+                torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    finally:
+        CLAMP[0] = False
+    assert any("not the dynamic graph's program" in n for r in kpt_compiler.reports() for n in r.notes)
 
 
 def test_another_model_of_the_class_is_not_served_by_the_first_ones_graph():
