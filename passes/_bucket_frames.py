@@ -24,11 +24,13 @@ would start) is served by that graph:
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ._bucket_inputs import _guards_hold, _value
 
@@ -65,6 +67,21 @@ def _source(node: fx.Node) -> str | None:
 _SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Size:  # a dynamic size in a structure (tags of their own: no keyword or constant can look like one)
+    expr: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    source: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Node:
+    index: int
+
+
 def _structure(gm: fx.GraphModule) -> list | None:
     """The graph node for node, sizes as values: ("v", expr) for a dynamic size (a SymInt node or argument), the
     int itself in a static graph; other nodes by their place. Two graphs of one frame are the same program at
@@ -89,16 +106,16 @@ def _structure(gm: fx.GraphModule) -> list | None:
     for node in gm.graph.nodes:
         v = node.meta.get("example_value")
         if isinstance(v, _SYM):
-            if not isinstance(v, torch.SymInt):
+            if not isinstance(v, torch.SymInt) or free_unbacked_symbols(v):  # .item(), nonzero: no size gives it
                 return None
-            where[node] = ("v", v.node.expr)
+            where[node] = _Size(v.node.expr)
             continue
         if node.op == "placeholder":
-            where[node] = ("p", _source(node))
+            where[node] = _Input(_source(node))
         elif node.op in ("call_module", "get_attr"):
             return None
         else:
-            where[node] = ("n", len(out))
+            where[node] = _Node(len(out))
         if node.op != "placeholder" and type(v) is int and node.op != "output":
             where[node] = v  # a size a static graph computed
             continue
@@ -108,8 +125,8 @@ def _structure(gm: fx.GraphModule) -> list | None:
 
 
 def _evaluated(a: Any, values: dict) -> Any:
-    if isinstance(a, tuple) and len(a) == 2 and a[0] == "v":
-        return _value(a[1], values)
+    if isinstance(a, _Size):
+        return _value(a.expr, values)
     if isinstance(a, tuple):
         return tuple(_evaluated(x, values) for x in a)
     if isinstance(a, list):
@@ -127,6 +144,8 @@ class _Dynamic:
     def __init__(self, gm: fx.GraphModule, plan: Any, example_inputs: Sequence[Any], built: Callable,
                  structure: list | None):
         self.plan, self.built, self.structure = plan, weakref.ref(built), structure
+        # Dynamo's global state at the compile (autocast, grad mode, default dtype...): a guard, not a node
+        self.state = torch._C._dynamo.guards.GlobalStateGuard()
         self.args: list[tuple[str | None, Any]] = []  # per argument: (its source, a tensor's shape or a SymInt's expr)
         self.owned: dict[str, Any] = {}  # source -> weakref to the parameter or buffer compiled with
         for node, x in zip([n for n in gm.graph.nodes if n.op == "placeholder"], example_inputs):
@@ -228,7 +247,9 @@ class Served:
 
     def _prepare(self, dyn: _Dynamic, args: Sequence[Any]) -> str | None:
         """Map onto ``dyn`` once: the arguments, the sizes, the same program, where its guards put them."""
-        self.mapping = mapping = _Mapping(self.sources, dyn)
+        if not dyn.state.check():
+            return "the dynamic graph was compiled under another global state (autocast, grad mode, default dtype)"
+        mapping = _Mapping(self.sources, dyn)
         if mapping.why:
             return mapping.why
         values = mapping.values(args)
@@ -237,6 +258,7 @@ class Served:
         if self.structure is None or _evaluated(dyn.structure, values) != self.structure:
             return "it is not the dynamic graph's program at its sizes (another op, constant or output)"
         self.values, self.outside = values, not _guards_hold(dyn.plan.shape_env, values)
+        self.mapping = mapping  # only once it is checked
         return None
 
     def __call__(self, *args: Any) -> Any:
@@ -247,7 +269,10 @@ class Served:
         if built is None:
             return self.own(*args)
         if self.mapping is None or self.mapping.dyn is not dyn:
-            why = self._prepare(dyn, args)
+            try:
+                why = self._prepare(dyn, args)
+            except Exception as e:  # noqa: BLE001 - a comparison this module did not foresee: its own code runs
+                why = f"the graphs could not be compared ({type(e).__name__}: {str(e)[:200]})"
             if why:
                 self._stop(why)
                 return self.own(*args)
@@ -298,7 +323,9 @@ def _differs(out: Any, ref: Any) -> str | None:
                 return f"output {i} differs"
             continue
         xf, yf = x.detach().double(), y.detach().double()
-        if not torch.equal(torch.isfinite(xf), torch.isfinite(yf)):
+        odd = ~torch.isfinite(yf)
+        if not torch.equal(torch.isfinite(xf), ~odd) or not torch.equal(xf[odd].nan_to_num(0.0),
+                                                                         yf[odd].nan_to_num(0.0)):
             return f"output {i}: non-finite values differ"
         xf, yf = torch.nan_to_num(xf, 0.0, 0.0, 0.0), torch.nan_to_num(yf, 0.0, 0.0, 0.0)
         err = float((xf - yf).norm() / yf.norm().clamp_min(1e-30))

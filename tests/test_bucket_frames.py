@@ -143,3 +143,22 @@ def test_the_dynamic_graph_is_let_go_with_its_compiled_code():
     kpt_compiler.clear_reports()
     gc.collect()
     assert not mine & set(frames._FRAMES)
+
+
+def test_a_dynamic_graph_compiled_under_autocast_does_not_serve_a_plain_call():
+    """Autocast is Dynamo's global state, guarded, not a node: the structure cannot see it, the state guard does."""
+    model = Rows().eval()
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
+    with torch.no_grad():
+        for i, b in enumerate([3, 5, 6]):
+            x = torch.randn(b, 5, 16)
+            if i:
+                torch._dynamo.mark_dynamic(x, 0)
+            with torch.autocast("cpu", torch.bfloat16):
+                fn(x)
+        for _ in range(2):
+            x = torch.randn(1, 5, 16)
+            torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    assert any("another global state" in n for r in kpt_compiler.reports() for n in r.notes)
