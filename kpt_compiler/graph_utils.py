@@ -263,3 +263,34 @@ def outputs_aliasing_inputs(gm: fx.GraphModule) -> frozenset[int]:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     flat = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     return frozenset(i for i, o in enumerate(flat) if storage(value(o)) in inputs)
+
+
+def meta_attrs(gm: fx.GraphModule, *graphs: fx.Graph) -> dict[str, Any]:
+    """What the graphs' ``get_attr`` and ``call_module`` nodes read from ``gm``, tensors as meta stand-ins: a diff
+    printed later needs their names and shapes only, and the report must not keep weights (or ``gm``) alive."""
+    out: dict[str, Any] = {}
+    for graph in graphs:
+        for node in graph.nodes:
+            if node.op not in ("get_attr", "call_module") or node.target in out:
+                continue
+            try:
+                value = attr_of(gm, node.target)
+            except AttributeError:
+                continue  # gone by now: that graph's diff says it cannot be made
+            if isinstance(value, torch.Tensor):
+                try:
+                    value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+                except Exception:  # noqa: BLE001 - a tensor subclass without strides: its name is what prints
+                    value = torch.empty(0, device="meta")
+            out[node.target] = value
+    return out
+
+
+def diff_of_graphs(class_name: str, attrs: dict[str, Any], before: fx.Graph, after: fx.Graph,
+                    names: tuple[str, str]) -> str:
+    """A pass's diff, from copies of the graph before and after it and what their attributes were then."""
+    try:
+        codes = [readable_code(fx.GraphModule(attrs, g, class_name=class_name)) for g in (before, after)]
+        return unified_diff(*codes, *names)
+    except Exception as e:  # noqa: BLE001 - the report still prints
+        return f"(the diff could not be made after the compile: {type(e).__name__}: {e}; set dump_dir to keep it)"

@@ -261,8 +261,8 @@ class PassManager:
         names = f"before {spec.name}", f"after {spec.name}"
         if self.dump is None:  # nobody reads the code now: the diff is made if the report's reader asks
             after_graph = graph_utils.copy_graph(gm.graph)
-            attrs = _attrs_of(gm, snap.graph, after_graph)
-            rec._diff_from = functools.partial(_diff_of_graphs, type(gm).__name__, attrs, snap.graph, after_graph,
+            attrs = graph_utils.meta_attrs(gm, snap.graph, after_graph)
+            rec._diff_from = functools.partial(graph_utils.diff_of_graphs, type(gm).__name__, attrs, snap.graph, after_graph,
                                                names)
             # the copy for the diff is also the next pass's rollback point (neither changes a graph it holds)
             return rec, None, snap.graph, graph_utils.snapshot(gm, after_graph)
@@ -340,37 +340,6 @@ class PassManager:
         if self.dump is not None:
             self.dump.wrap_stage(self.report, record)
         return compiled
-
-
-def _attrs_of(gm: fx.GraphModule, *graphs: fx.Graph) -> dict[str, Any]:
-    """What the graphs' ``get_attr`` and ``call_module`` nodes read from ``gm``, tensors as meta stand-ins: a diff
-    printed later needs their names and shapes only, and the report must not keep weights (or ``gm``) alive."""
-    out: dict[str, Any] = {}
-    for graph in graphs:
-        for node in graph.nodes:
-            if node.op not in ("get_attr", "call_module") or node.target in out:
-                continue
-            try:
-                value = graph_utils.attr_of(gm, node.target)
-            except AttributeError:
-                continue  # gone by now: that graph's diff says it cannot be made
-            if isinstance(value, torch.Tensor):
-                try:
-                    value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-                except Exception:  # noqa: BLE001 - a tensor subclass without strides: its name is what prints
-                    value = torch.empty(0, device="meta")
-            out[node.target] = value
-    return out
-
-
-def _diff_of_graphs(class_name: str, attrs: dict[str, Any], before: fx.Graph, after: fx.Graph,
-                    names: tuple[str, str]) -> str:
-    """A pass's diff, from copies of the graph before and after it and what their attributes were then."""
-    try:
-        codes = [graph_utils.readable_code(fx.GraphModule(attrs, g, class_name=class_name)) for g in (before, after)]
-        return graph_utils.unified_diff(*codes, *names)
-    except Exception as e:  # noqa: BLE001 - the report still prints
-        return f"(the diff could not be made after the compile: {type(e).__name__}: {e}; set dump_dir to keep it)"
 
 
 def _guarded(guard: LossyGuard | Exception, spec: GraphPass, gm, snap, ctx, attempt, rec):

@@ -32,6 +32,8 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from kpt_compiler.bench import relative_error
+
 from ._bucket_inputs import _guards_hold, _value
 
 
@@ -40,7 +42,7 @@ class CannotServe(Exception):
 
 
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 1e-2, torch.bfloat16: 4e-2}
-_FRAMES: dict[tuple, "_Dynamic"] = {}  # (frame id, the compile's options) -> its latest bucketed dynamic graph
+_FRAMES: dict[tuple, "_Dynamic"] = {}  # frame_key -> the frame's latest bucketed dynamic graph
 
 
 def frame_key(ctx) -> tuple | None:
@@ -83,8 +85,8 @@ class _Node:
 
 
 def _structure(gm: fx.GraphModule) -> list | None:
-    """The graph node for node, sizes as values: ("v", expr) for a dynamic size (a SymInt node or argument), the
-    int itself in a static graph; other nodes by their place. Two graphs of one frame are the same program at
+    """The graph node for node, sizes as values: ``_Size(expr)`` for a dynamic size (a SymInt node or argument),
+    the int itself in a static graph; inputs by their source, other nodes by their place. Two graphs of one frame are the same program at
     some sizes when their structures are equal with the dynamic one's sizes evaluated there. None: a node this
     comparison does not cover (a SymBool or SymFloat, a submodule, an attribute)."""
     where: dict[fx.Node, Any] = {}
@@ -182,7 +184,7 @@ class _Mapping:
     def __init__(self, sources: list[str | None], dyn: _Dynamic):
         mine = {name: i for i, name in enumerate(sources)}
         self.dyn, self.why, self.take, self.owned, self.dims = dyn, None, [], [], {}
-        for k, (name, what) in enumerate(dyn.args):
+        for name, what in dyn.args:
             if isinstance(what, tuple):
                 if name not in mine:
                     self.why = f"the dynamic graph reads {name}, this one does not"
@@ -197,7 +199,7 @@ class _Mapping:
                 self.why = f"argument {name} is neither a tensor nor a size"
                 return
             else:
-                self.take.append(what)  # a size: evaluated per call
+                self.take.append(what)  # a size: evaluated once (the static graph's sizes do not change)
         if None in mine or len([t for t in self.take if isinstance(t, int)]) != len(mine):
             self.why = "the graphs read different inputs"
         unread = {s for t in self.take if not isinstance(t, int) for s in t.free_symbols} | set(dyn.plan.sources)
@@ -221,8 +223,9 @@ class _Mapping:
         """The parameters and buffers are the objects the dynamic graph was compiled with (per call)."""
         return all(args[i] is ref() for i, ref in self.owned)
 
-    def args(self, args: Sequence[Any], values: dict) -> list[Any]:
-        return [args[t] if isinstance(t, int) else _value(t, values) for t in self.take]
+    def template(self, values: dict) -> list[tuple[int | None, Any]]:
+        """Per argument of the dynamic graph: (this graph's argument, None), or (None, a size's value)."""
+        return [(t, None) if isinstance(t, int) else (None, _value(t, values)) for t in self.take]
 
 
 class Served:
@@ -235,7 +238,7 @@ class Served:
         self.structure = _structure(gm)
         self.bound: _Dynamic | None = None  # the dynamic graph checked at the first served call
         self.mapping: _Mapping | None = None
-        self.values: dict = {}
+        self.template: list[tuple[int | None, Any]] = []
         self.outside = False
         self.off: str | None = None
         self.served = 0
@@ -257,7 +260,7 @@ class Served:
             return "its inputs do not map onto the dynamic graph's (other parameters, dtypes, devices or sizes)"
         if self.structure is None or _evaluated(dyn.structure, values) != self.structure:
             return "it is not the dynamic graph's program at its sizes (another op, constant or output)"
-        self.values, self.outside = values, not _guards_hold(dyn.plan.shape_env, values)
+        self.template, self.outside = mapping.template(values), not _guards_hold(dyn.plan.shape_env, values)
         self.mapping = mapping  # only once it is checked
         return None
 
@@ -281,7 +284,7 @@ class Served:
             return self.own(*args)
         try:
             dyn.plan.forced = self.outside
-            out = built(*self.mapping.args(args, self.values))
+            out = built(*[args[i] if i is not None else v for i, v in self.template])
             why = None if self.bound is not None else _differs(out, self.gm(*args))  # the first: checked
         except CannotServe as e:
             why = str(e)
@@ -327,8 +330,7 @@ def _differs(out: Any, ref: Any) -> str | None:
         if not torch.equal(torch.isfinite(xf), ~odd) or not torch.equal(xf[odd].nan_to_num(0.0),
                                                                          yf[odd].nan_to_num(0.0)):
             return f"output {i}: non-finite values differ"
-        xf, yf = torch.nan_to_num(xf, 0.0, 0.0, 0.0), torch.nan_to_num(yf, 0.0, 0.0, 0.0)
-        err = float((xf - yf).norm() / yf.norm().clamp_min(1e-30))
+        err = relative_error(xf.nan_to_num(0.0, 0.0, 0.0), yf.nan_to_num(0.0, 0.0, 0.0))
         if err > TOLERANCE.get(y.dtype, 1e-3):
             return f"output {i}: relative error {err:.1e}"
     return None

@@ -43,7 +43,6 @@ from ._bucket_inputs import (_guards_hold, _has, _input_facts, _mutated_placehol
 from ._padding_proof import Unprovable, prove
 
 MAX_SYMBOL_RETRIES = 4
-
 AUTO_AFTER_SHAPES = 4  # on by default: distinct sizes the dynamic graph meets before it pads
 FIT_AFTER_SHAPES = 8  # buckets="fit": the fewest distinct sizes a ladder is fitted to
 
@@ -152,11 +151,7 @@ class Plan:
                 self.notes.append(f"call {self.calls}: {len(self.met)} distinct sizes met; padding to buckets from "
                                   "here on")
             self.met = None
-        sizes = self._memo.get(real)
-        if sizes is None:  # sympy once per distinct set of sizes, not on every call
-            if len(self._memo) > 4096:
-                self._memo.clear()
-            sizes = self._memo[real] = self._sizes(dict(zip(self.sources, real)), args)
+        sizes = self._sizes_of(real, args)
         if sizes[0] is None:  # every size a bucket already (and no graphs to replay), or a guard broken there
             return compiled(*args)
         return self._padded(compiled, args, sizes)
@@ -184,13 +179,18 @@ class Plan:
         hold, never run at its own sizes; CannotServe where no bucket does."""
         if self.withdrawn or set(self.sources) - set(self.symbols):
             raise CannotServe(self.withdrawn or "a dynamic size this graph does not pad")
-        real = tuple(_size(args, where) for where in self.sources.values())
-        sizes = self._memo.get(real)
-        if sizes is None:
-            sizes = self._memo[real] = self._sizes(dict(zip(self.sources, real)), args)
+        sizes = self._sizes_of(tuple(_size(args, where) for where in self.sources.values()), args)
         if sizes[0] is None:
             raise CannotServe("no bucket of these sizes keeps the guards the code was compiled under")
         return self._padded(compiled, args, sizes, forced=True)
+
+    def _sizes_of(self, real: tuple, args: Sequence[Any]) -> tuple:
+        sizes = self._memo.get(real)
+        if sizes is None:  # sympy once per distinct set of sizes, not on every call
+            if len(self._memo) > 4096:
+                self._memo.clear()
+            sizes = self._memo[real] = self._sizes(dict(zip(self.sources, real)), args)
+        return sizes
 
     def _lowest(self, s: Any) -> int:
         """The least size the code was compiled for (Dynamo's dynamic sizes start at 2: 0 and 1 specialize)."""
