@@ -2,20 +2,23 @@
 
 A stream of changing sizes gives one frame (one compiled ``forward``) several graphs: the one for the sizes first
 seen, before Dynamo makes them dynamic; the dynamic one, which bucketing pads; and one for batch 1, because
-Dynamo specializes sizes 0 and 1. Each static graph costs a full compile (seconds) for sizes the dynamic graph
-also covers once padded to one of its buckets (a size under its least, 1 under 2, pads up to it). So a static
-inference graph whose frame has a bucketed dynamic graph (now, or by the call where its own deferred compile
-would start) is served by that graph:
+Dynamo specializes sizes 0 and 1 (batch 1 keeps the sequence dynamic: a graph dynamic in fewer dims). Each costs
+a full compile (seconds) for sizes the dynamic graph also covers once padded to one of its buckets (a size under
+its least, 1 under 2, pads up to it). So a static inference graph whose frame has a bucketed dynamic graph (now,
+or by the call where its own deferred compile would start), or a graph dynamic in fewer dims compiled after it,
+is served by that graph; its own compile is deferred and runs only where serving stops:
 - the frame is Dynamo's (``CompileId.frame_id``, one per code object: two models of one class share it; ids
   restart at ``torch._dynamo.reset``, so the code objects traced are part of the key), and the compile's options
   must be the same;
 - its arguments map onto the dynamic graph's by their Dynamo sources (``L['input_ids']``): the same tensors,
-  dtypes and ranks, equal static sizes, and the dynamic graph's sizes read off them; its parameters and buffers
+  dtypes and ranks, equal static sizes, the dynamic graph's sizes read off them (its own dynamic sizes only
+  where the dynamic graph's are dynamic, and sizes that graph holds equal equal here); its parameters and buffers
   must be the very objects the dynamic graph was compiled with (another model of the class is not served);
 - sizes under which the dynamic code's guards hold go through it as a call Dynamo would have sent there; others
   are padded to a bucket where they hold (``Plan._forced``), else the graph compiles its own code;
 - the two graphs must be one program: node for node the same ops, constants and outputs, the dynamic one's sizes
-  evaluated at the static one's (a forward that branches on batch 1, breaks the graph there, or reads a global
+  evaluated at the other's (ints, or its own symbols: sympy expressions compared after substitution, so the
+  program is the same at every size the other graph takes; a forward that branches on batch 1, breaks the graph there, or reads a global
   that changed since is another program);
 - the first served call is checked against the graph run as it is (eagerly, as the deferred compile runs it):
   outputs of other structure, shapes or dtypes, or values off by more than the dtype's tolerance, and the graph
@@ -28,6 +31,7 @@ import dataclasses
 import weakref
 from typing import Any, Callable, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
@@ -127,13 +131,27 @@ def _structure(gm: fx.GraphModule) -> list | None:
 
 
 def _evaluated(a: Any, values: dict) -> Any:
+    """``a`` with the dynamic graph's sizes replaced: by ints (a static graph's), or by the other graph's own
+    expressions (a graph dynamic in fewer dims: batch 1 with the sequence dynamic), compared as sympy keeps them."""
     if isinstance(a, _Size):
-        return _value(a.expr, values)
+        r = a.expr.xreplace(values)
+        return int(r) if r.is_number else _Size(r)
     if isinstance(a, tuple):
         return tuple(_evaluated(x, values) for x in a)
     if isinstance(a, list):
         return [_evaluated(x, values) for x in a]
     return a
+
+
+def _fake(node: fx.Node) -> Any:
+    """A placeholder as the comparison needs it: a size's expression, a tensor's (sizes, dtype, device), else
+    None (sizes: ints, or sympy expressions where dynamic)."""
+    v = node.meta.get("example_value")
+    if isinstance(v, torch.SymInt):
+        return v.node.expr
+    if isinstance(v, torch.Tensor):
+        return (tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in v.shape), v.dtype, v.device)
+    return None
 
 
 def _owned(name: str) -> bool:
@@ -179,44 +197,58 @@ def register(ctx, gm: fx.GraphModule, plan: Any) -> None:
 
 
 class _Mapping:
-    """A static graph's arguments -> the dynamic graph's, or why not (``why``)."""
+    """Another graph's arguments -> the dynamic graph's, or why not (``why``). ``symbolic``: each dynamic size
+    of the dynamic graph as the other graph has it (an int in a static graph, its own expression where it is
+    dynamic too); ``dims``: where a call's arguments give it."""
 
-    def __init__(self, sources: list[str | None], dyn: _Dynamic):
+    def __init__(self, sources: list[str | None], fakes: list[Any], dyn: _Dynamic):
         mine = {name: i for i, name in enumerate(sources)}
-        self.dyn, self.why, self.take, self.owned, self.dims = dyn, None, [], [], {}
-        for name, what in dyn.args:
-            if isinstance(what, tuple):
-                if name not in mine:
-                    self.why = f"the dynamic graph reads {name}, this one does not"
-                    return
-                self.take.append(mine[name])
-                for d, size in enumerate(what[0]):
-                    if isinstance(size, torch.SymInt):
-                        self.dims.setdefault(size.node.expr, (mine[name], d))
-                if name in dyn.owned:
-                    self.owned.append((mine[name], dyn.owned[name]))
-            elif what is None:
-                self.why = f"argument {name} is neither a tensor nor a size"
-                return
-            else:
-                self.take.append(what)  # a size: evaluated once (the static graph's sizes do not change)
-        if None in mine or len([t for t in self.take if isinstance(t, int)]) != len(mine):
-            self.why = "the graphs read different inputs"
-        unread = {s for t in self.take if not isinstance(t, int) for s in t.free_symbols} | set(dyn.plan.sources)
-        if unread - set(self.dims):
-            self.why = f"sizes of the dynamic graph that no tensor of this one gives: {sorted(map(str, unread))}"
-        self.shapes = [(i, what) for (name, what), i in zip(dyn.args, self.take) if isinstance(what, tuple)]
+        self.dyn, self.why, self.take, self.owned, self.dims, self.symbolic = dyn, None, [], [], {}, {}
+        self.why = self._map(mine, fakes) or self._covered(mine, fakes)
 
-    def values(self, args: Sequence[Any]) -> dict | None:
-        """The dynamic graph's sizes at these arguments, or None where they do not fit it (read once: the static
-        graph's own guards hold its arguments' sizes, dtypes and devices from call to call)."""
-        if not self.same_owned(args):
-            return None
-        for i, (shape, dtype, device) in self.shapes:
-            t = args[i]
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device != device or t.dim() != len(shape) \
-                    or any(not isinstance(s, torch.SymInt) and s != n for s, n in zip(shape, t.shape)):
-                return None
+    def _map(self, mine: dict, fakes: list[Any]) -> str | None:
+        for name, what in self.dyn.args:
+            if what is None:
+                return f"argument {name} is neither a tensor nor a size"
+            if not isinstance(what, tuple):
+                self.take.append(what)  # a size: its value from the dynamic graph's other sizes
+                continue
+            if name not in mine:
+                return f"the dynamic graph reads {name}, this one does not"
+            i, (shape, dtype, device) = mine[name], what
+            fake = fakes[i]
+            if not isinstance(fake, tuple) or fake[1:] != (dtype, device) or len(fake[0]) != len(shape):
+                return f"{name} differs in dtype, device or rank"
+            self.take.append(i)
+            for d, (size, have) in enumerate(zip(shape, fake[0])):
+                if not isinstance(size, torch.SymInt):
+                    if have != size:
+                        return f"{name} has size {have} where the dynamic graph's is {size}"
+                    continue
+                s = size.node.expr
+                if self.symbolic.setdefault(s, have) != have:  # two sizes the dynamic graph takes as one
+                    return f"{name} dim {d}: sizes the dynamic graph holds equal are not equal here"
+                self.dims.setdefault(s, (i, d))
+            if name in self.dyn.owned:
+                self.owned.append((i, self.dyn.owned[name]))
+        return None
+
+    def _covered(self, mine: dict, fakes: list[Any]) -> str | None:
+        if None in mine:
+            return "the graphs read different inputs"
+        taken = {t for t in self.take if isinstance(t, int)}
+        given = {v for v in self.symbolic.values() if not isinstance(v, int)}
+        for i, fake in enumerate(fakes):  # every tensor mapped; a size of its own, one a tensor of it gives
+            if i not in taken and not (fake is not None and not isinstance(fake, tuple) and fake in given):
+                return "the graphs read different inputs"
+        unread = {s for t in self.take if not isinstance(t, int) for s in t.free_symbols} | set(self.dyn.plan.sources)
+        if unread - set(self.dims):
+            return f"sizes of the dynamic graph that no tensor of this one gives: {sorted(map(str, unread))}"
+        return None
+
+    def values(self, args: Sequence[Any]) -> dict:
+        """The dynamic graph's sizes at these arguments (the other graph's own guards hold their dtypes, devices
+        and static sizes, checked against the dynamic graph's once)."""
         return {s: int(args[i].shape[d]) for s, (i, d) in self.dims.items()}
 
     def same_owned(self, args: Sequence[Any]) -> bool:
@@ -229,17 +261,17 @@ class _Mapping:
 
 
 class Served:
-    """The static graph's callable: its calls go to the dynamic graph where they map, else to ``own``."""
+    """The other graph's callable: its calls go to the dynamic graph where they map, else to ``own``."""
 
     def __init__(self, key: tuple, gm: fx.GraphModule, own: Callable, notes: list[str]):
         self.key, self.gm, self.own, self.notes = key, gm, own, notes
         # read now: Dynamo drops its placeholders' sources once the backend returns
-        self.sources = [_source(n) for n in gm.graph.nodes if n.op == "placeholder"]
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.sources, self.fakes = [_source(n) for n in placeholders], [_fake(n) for n in placeholders]
         self.structure = _structure(gm)
         self.bound: _Dynamic | None = None  # the dynamic graph checked at the first served call
         self.mapping: _Mapping | None = None
-        self.template: list[tuple[int | None, Any]] = []
-        self.outside = False
+        self.sizes: dict[tuple, tuple[list, bool]] = {}  # the dynamic graph's sizes -> (template, forced)
         self.off: str | None = None
         self.served = 0
 
@@ -248,21 +280,30 @@ class Served:
         self.notes.append(f"not served by the frame's dynamic graph from call {self.served + 1}: {why}; this graph "
                           "compiles its own code")
 
-    def _prepare(self, dyn: _Dynamic, args: Sequence[Any]) -> str | None:
-        """Map onto ``dyn`` once: the arguments, the sizes, the same program, where its guards put them."""
+    def _prepare(self, dyn: _Dynamic) -> str | None:
+        """Map onto ``dyn`` once: the arguments, the sizes, the same program."""
         if not dyn.state.check():
             return "the dynamic graph was compiled under another global state (autocast, grad mode, default dtype)"
-        mapping = _Mapping(self.sources, dyn)
+        mapping = _Mapping(self.sources, self.fakes, dyn)
         if mapping.why:
             return mapping.why
-        values = mapping.values(args)
-        if values is None:
-            return "its inputs do not map onto the dynamic graph's (other parameters, dtypes, devices or sizes)"
-        if self.structure is None or _evaluated(dyn.structure, values) != self.structure:
+        if self.structure is None or _evaluated(dyn.structure, _sympified(mapping.symbolic)) != self.structure:
             return "it is not the dynamic graph's program at its sizes (another op, constant or output)"
-        self.template, self.outside = mapping.template(values), not _guards_hold(dyn.plan.shape_env, values)
-        self.mapping = mapping  # only once it is checked
+        self.mapping, self.sizes = mapping, {}  # only once it is checked
         return None
+
+    def _at(self, args: Sequence[Any]) -> tuple[list, bool]:
+        """The dynamic graph's arguments template and whether its guards need a bucket, per distinct sizes (one
+        for a static graph; sympy once per sizes, not per call)."""
+        values = self.mapping.values(args)
+        key = tuple(values.values())
+        at = self.sizes.get(key)
+        if at is None:
+            if len(self.sizes) > 4096:
+                self.sizes.clear()
+            at = self.sizes[key] = (self.mapping.template(values),
+                                    not _guards_hold(self.mapping.dyn.plan.shape_env, values))
+        return at
 
     def __call__(self, *args: Any) -> Any:
         if self.off is not None:
@@ -273,18 +314,18 @@ class Served:
             return self.own(*args)
         if self.mapping is None or self.mapping.dyn is not dyn:
             try:
-                why = self._prepare(dyn, args)
+                why = self._prepare(dyn)
             except Exception as e:  # noqa: BLE001 - a comparison this module did not foresee: its own code runs
                 why = f"the graphs could not be compared ({type(e).__name__}: {str(e)[:200]})"
             if why:
                 self._stop(why)
                 return self.own(*args)
-        elif not self.mapping.same_owned(args):
-            self._stop("its parameters are no longer the ones the dynamic graph was compiled with")
+        if not self.mapping.same_owned(args):
+            self._stop("it reads other parameters than the dynamic graph was compiled with (another model of the class?)")
             return self.own(*args)
         try:
-            dyn.plan.forced = self.outside
-            out = built(*[args[i] if i is not None else v for i, v in self.template])
+            template, dyn.plan.forced = self._at(args)
+            out = built(*[args[i] if i is not None else v for i, v in template])
             why = None if self.bound is not None else _differs(out, self.gm(*args))  # the first: checked
         except CannotServe as e:
             why = str(e)
@@ -302,6 +343,20 @@ class Served:
                               "against this graph on its first call): no compile of its own")
         self.served += 1
         return out
+
+
+def _sympified(values: dict) -> dict:
+    return {s: sympy.Integer(v) if isinstance(v, int) else v for s, v in values.items()}
+
+
+def why_not(gm: fx.GraphModule, key: tuple | None) -> str | None:
+    """Why a graph dynamic in fewer dims cannot be served by its frame's dynamic graph, told before compiling it
+    (the arguments and the program; the parameters' identity and the values are checked at its first call)."""
+    dyn = _FRAMES.get(key) if key is not None else None
+    if dyn is None or dyn.built() is None:
+        return "the frame has no bucketed dynamic graph"
+    served = Served(key, gm, lambda *a: None, [])
+    return served._prepare(dyn)
 
 
 def serve(ctx, gm: fx.GraphModule, key: tuple | None) -> None:

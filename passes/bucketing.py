@@ -277,7 +277,13 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
                 _serve(gm, ctx, key)
         return False
     gm.meta["kpt_bucketing"] = plan
-    frames.register(ctx, gm, plan)
+    key = frames.frame_key(ctx) if ctx.is_inference else None
+    if not frames.known(key):
+        frames.register(ctx, gm, plan)
+    elif (why := frames.why_not(gm, key)) is None:  # batch 1 with the sequence dynamic, after the graph in both
+        _serve(gm, ctx, key)
+    else:
+        ctx.note(f"not served by the frame's bucketed dynamic graph: {why}; compiled")
     plan.after_shapes = ctx.options.after_shapes if ctx.explicit else AUTO_AFTER_SHAPES
     ctx.count("padded_dims", len(plan.symbols))
     rungs = "powers of two" if plan.buckets is None else "a ladder fitted to the sizes met" if plan.buckets == "fit" \

@@ -162,3 +162,79 @@ def test_a_dynamic_graph_compiled_under_autocast_does_not_serve_a_plain_call():
             x = torch.randn(1, 5, 16)
             torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
     assert any("another global state" in n for r in kpt_compiler.reports() for n in r.notes)
+
+
+def _stream_2d(model, sizes, reset=True):
+    """(batch, sequence) pairs: both dims dynamic from the second call, the sequence alone at batch 1 (Dynamo's
+    graph for batch 1 keeps the sizes it made dynamic before)."""
+    if reset:
+        torch._dynamo.reset()
+        kpt_compiler.clear_reports()
+    fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
+    with torch.no_grad():
+        for i, (b, s) in enumerate(sizes):
+            x = torch.randn(b, s, 16)
+            if i or not reset:
+                torch._dynamo.mark_dynamic(x, 1)
+                if b > 1:
+                    torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    return kpt_compiler.reports()
+
+
+def test_batch_1_with_the_sequence_dynamic_is_served_without_a_compile():
+    """The graph for batch 1 is dynamic in the sequence: the same program as the dynamic graph's with its batch
+    symbol at 1 and its sequence symbol at the other graph's (compared symbolically), served at every sequence."""
+    reports = _stream_2d(Rows().eval(), [(3, 5), (4, 7), (1, 9), (1, 11), (1, 6), (1, 30)])
+    assert len(reports) == 3
+    one = reports[2]
+    assert one.pass_record("bucketing").status == "applied", "the batch-1 graph keeps the sequence dynamic"
+    assert "joint" not in one.stages, one.notes  # never compiled
+    assert any(n.startswith("served by the frame's bucketed dynamic graph") for n in one.notes), one.notes
+    assert not any("not served" in n for n in one.notes), one.notes
+
+
+def test_batch_1_with_the_sequence_dynamic_that_is_another_program_compiles_at_once():
+    """Refused by structure before its compile (transformers' GPT-2 takes another path at batch 1): compiled as
+    any dynamic graph, not deferred."""
+    reports = _stream_2d(OddAtOne().eval(), [(3, 5), (4, 7), (1, 9), (1, 11), (1, 6), (1, 30)])
+    assert len(reports) == 3
+    assert any("not served by the frame's bucketed dynamic graph: it is not the dynamic graph's program" in n
+               for n in reports[2].pass_record("bucketing").notes), reports[2].pass_record("bucketing").notes
+    assert "joint" in reports[2].stages and not any("deferred" in n for n in reports[2].notes)
+
+
+def test_a_deferred_dynamic_compile_keeps_its_symbols_and_checks_the_guards_it_added():
+    """Another model of the class: its batch-1 graph maps, its parameters do not, so its own compile runs,
+    deferred, with Dynamo's fake inputs: one compile for every sequence. Guards that compile adds to the shape
+    environment after Dynamo built its own are not Dynamo's to check: calls outside them run the graph as it is
+    (a guard the compile adds by hand stands for one)."""
+    from kpt_compiler import backend
+
+    real, ran = backend._emit, []
+
+    def emit(gm, example_inputs, pm, is_inference):
+        compiled = real(gm, example_inputs, pm, is_inference)
+        sym = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.SymInt)]
+        if pm.defer_calls < 2 or not sym:
+            return compiled
+        bool(example_inputs[sym[0]] <= 10)  # a guard on the sequence, as a compile's own checks add them
+
+        def checked(*args):
+            ran.append(args[sym[0]])
+            assert ran[-1] <= 10, "compiled code called outside the guard its compile added"
+            return compiled(*args)
+
+        return checked
+
+    _stream_2d(Rows().eval(), [(3, 5), (4, 7)])
+    backend._emit = emit
+    try:
+        reports = _stream_2d(Rows().eval(), [(1, 9), (1, 7), (1, 30), (1, 6)], reset=False)
+    finally:
+        backend._emit = real
+    assert ran == [8, 8]  # padded to powers of two; 9: eager (call 1), 30 (32): outside
+    mine = reports[-1]
+    assert any("other parameters" in n for n in mine.notes), mine.notes
+    assert any(n.startswith("compiled at call 2") for n in mine.notes), mine.notes
+    assert any("outside a guard the deferred compile added" in n for n in mine.notes), mine.notes
