@@ -92,6 +92,7 @@ def child(model_name: str, mode: str, device: str, profile: str | None = None) -
         reports = kpt_compiler.reports()
         row["fired"] = sorted({p for r in reports for p in r.fired()})
         row["from_cache"] = any("came from Inductor's cache" in n for r in reports for n in r.notes)
+        row["aot_cache_skipped"] = [n for r in reports for n in r.notes if n.startswith("AOTAutograd's cache skipped")]
         row["tuned_choices_read"] = _tuned_cache.stats()["read"]
         # our share: the backend calls (Inductor's compile inside them) and, of those, our passes by name
         row["backend_s"] = sum(r.compile_ms for r in reports) / 1e3
@@ -198,7 +199,7 @@ def run_case(model_name: str, mode: str, device: str, profile: str | None = None
     if mode == "kpt":
         row.update(cold_fired=cold["fired"], warm_fired=warm["fired"], warm_says_cache=warm["from_cache"],
                    warm_tuned_choices_read=warm["tuned_choices_read"], warm_backend_s=warm["backend_s"],
-                   warm_passes_s=warm["passes_s"])
+                   warm_passes_s=warm["passes_s"], warm_aot_cache_skipped=warm.get("aot_cache_skipped", []))
     print(f"{row['model']} {mode}: cold {row['cold_s']:.1f} s, warm {row['warm_s']:.1f} s "
           f"({row['speedup']:.1f}x), warm FX-graph hits {row['warm_fx_hits']}; first call cold "
           f"{row['cold_first_call_s']:.2f} s, warm {row['warm_first_call_s']:.2f} s; later warm runs "
@@ -232,6 +233,9 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
                      f"{r['speedup']:.1f}x | {r['cold_imports_s']:.1f}, {r['warm_imports_s']:.1f} | "
                      f"{r['speedup_with_imports']:.1f}x | {r['warm_fx_hits']}, {r['warm_fx_misses']} | {fired} | "
                      f"{says} | {r.get('warm_tuned_choices_read', '-')} |")
+    skipped = [f"- {r['model']} {r['mode']}: {n}" for r in rows for n in r.get("warm_aot_cache_skipped", [])]
+    if skipped:
+        lines += ["", "Warm graphs AOTAutograd's cache skipped (kpt's report):", *skipped]
     return "\n".join(lines)
 
 

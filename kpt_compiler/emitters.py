@@ -102,8 +102,12 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: Pass
         finally:
             pm.emitter_stage.pop()
 
+    bypassed = _aot_cache_bypasses()
     with caches:
         compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
+    if pm.dump is None and _aot_cache_bypasses() > bypassed:
+        pm.report.notes.append(f"AOTAutograd's cache skipped this graph ({_aot_cache_reason(gm)}): a warm restart "
+                               "traces and partitions it again before Inductor's FX-graph cache can hit")
     missing = [stage for stage in ("joint", "forward") if stage not in pm.report.stages]
     if missing:
         pm.report.notes.append(
@@ -111,6 +115,24 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: Pass
             "this process (they ran when the entry was made); set dump_dir to compile afresh and see them run"
         )
     return compiled
+
+
+def _aot_cache_bypasses() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_bypass"]
+
+
+def _aot_cache_reason(gm: fx.GraphModule) -> str:
+    """Why AOTAutograd's cache passed over ``gm``, by its own check of the graph (torch logs the reason at INFO
+    only); other reasons (its key could not be computed) are not told apart."""
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+
+        check_cacheable(gm)
+    except Exception as e:  # noqa: BLE001 - the reason, whatever torch raised
+        return " ".join(str(e).split())[:300]
+    return "not for its graph's ops: its cache key could not be made"
 
 
 def _cacheable_functions(gm: fx.GraphModule, pm: PassManager) -> dict[str, str]:

@@ -76,7 +76,17 @@ def test_a_graph_with_our_functions_is_taken_from_the_autograd_cache(tmp_path, m
                 results.append(torch.compile(model, backend="kernelpytorch", options=options)(x))
             assert "merge-parallel-linears" in kpt_compiler.last_report().fired()
             assert counters["aot_autograd"]["autograd_cache_bypass"] == 0, dict(counters["aot_autograd"])
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+            assert not any("AOTAutograd's cache skipped" in n for n in kpt_compiler.last_report().notes)
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+        # unmarked, the cache skips the graph, and the report says so with AOTAutograd's reason
+        from kpt_compiler import emitters
+
+        monkeypatch.setattr(emitters, "_cacheable_functions", lambda gm, pm: {})
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend="kernelpytorch", options=options)(x)
+        skipped = [n for n in kpt_compiler.last_report().notes if n.startswith("AOTAutograd's cache skipped")]
+        assert skipped and "merged_linear_static" in skipped[0], kpt_compiler.last_report().notes
     with torch.no_grad():
         torch.testing.assert_close(results[1], model(x))
 
