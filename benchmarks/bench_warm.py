@@ -85,7 +85,9 @@ def child(model_name: str, mode: str, device: str, profile: str | None = None) -
     row = {"model": entry.name, "shape": entry.shape(case), "mode": mode, "seconds": seconds, "imports_s": imports,
            "compile_s": dynamo, "autotune_s": autotune["seconds"], "autotunes": autotune["calls"],
            "fx_hits": counters["inductor"]["fxgraph_cache_hit"], "fx_misses": counters["inductor"]["fxgraph_cache_miss"],
-           "aot_hits": counters["aot_autograd"]["autograd_cache_hit"]}
+           "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+           "aot_misses": counters["aot_autograd"]["autograd_cache_miss"],
+           "aot_bypasses": counters["aot_autograd"]["autograd_cache_bypass"]}
     if mode == "kpt":
         from kpt_compiler.kernels import _tuned_cache
 
@@ -195,7 +197,8 @@ def run_case(model_name: str, mode: str, device: str, profile: str | None = None
            "warm_again_s": [r["seconds"] for r in again], "warm_again_compile_s": [r["compile_s"] for r in again],
            "profiled_s": runs[-1]["seconds"] if profile else None,
            "warm_fx_hits": warm["fx_hits"],
-           "warm_fx_misses": warm["fx_misses"], "warm_aot_hits": warm["aot_hits"]}
+           "warm_fx_misses": warm["fx_misses"], "warm_aot_hits": warm["aot_hits"],
+           "warm_aot_misses": warm.get("aot_misses"), "warm_aot_bypasses": warm.get("aot_bypasses")}
     if mode == "kpt":
         row.update(cold_fired=cold["fired"], warm_fired=warm["fired"], warm_says_cache=warm["from_cache"],
                    warm_tuned_choices_read=warm["tuned_choices_read"], warm_backend_s=warm["backend_s"],
@@ -233,6 +236,9 @@ def markdown(rows: list[dict], command: str, card: str, commit: str | None) -> s
                      f"{r['speedup']:.1f}x | {r['cold_imports_s']:.1f}, {r['warm_imports_s']:.1f} | "
                      f"{r['speedup_with_imports']:.1f}x | {r['warm_fx_hits']}, {r['warm_fx_misses']} | {fired} | "
                      f"{says} | {r.get('warm_tuned_choices_read', '-')} |")
+    lines += ["", "Warm AOTAutograd cache (hits, misses, bypasses): " + "; ".join(
+        f"{r['model']} {r['mode']} {r['warm_aot_hits']}, {r.get('warm_aot_misses')}, {r.get('warm_aot_bypasses')}"
+        for r in rows if "error" not in r)]
     skipped = [f"- {r['model']} {r['mode']}: {n}" for r in rows for n in r.get("warm_aot_cache_skipped", [])]
     if skipped:
         lines += ["", "Warm graphs AOTAutograd's cache skipped (kpt's report):", *skipped]
