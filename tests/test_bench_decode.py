@@ -68,3 +68,14 @@ def test_separate_runs_each_mode_in_its_own_process(tmp_path):
     assert record["separate_processes"] and record["attn_implementation"]
     assert rows["eager"]["status"] == "ok" and rows["kpt"]["status"] == "ok", rows
     assert rows["kpt"]["vs_reference"] == "identical" and len(rows["kpt"]["graphs"]) == 2
+
+
+def test_generate_host_diag_times_generate_with_and_without_a_forward(tmp_path):
+    """Both rows: generate with the tiny model's forward and with the stub (generate accepts its output)."""
+    from benchmarks import diag_generate_host
+
+    diag_generate_host.main(["--device", "cpu", "--new-tokens", "4", "--repeats", "1", "--out", str(tmp_path)])
+    record = json.load(open(tmp_path / "diag_generate_host.json"))
+    assert [r["forward"].split()[0] for r in record["rows"]] == ["tiny", "none"]
+    assert all(len(r["per_token_ms"]) == 1 and r["per_token_ms"][0] > 0 for r in record["rows"])
+    assert "generate()'s own host time" in (tmp_path / "diag_generate_host.md").read_text()
