@@ -19,7 +19,6 @@ import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -76,8 +75,10 @@ def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm
     """``original``: a snapshot of ``gm`` as it is (the pre_aot stage's first rollback point, not copied again)."""
     is_inference = _is_inference(gm, example_inputs)
     pm.run_stage(gm, "pre_aot", is_inference=is_inference, snapshot=original)
-    if pm.defer_calls > 1:
-        compiled = _Deferred(gm, pm, is_inference, example_inputs if graph_utils.has_dynamic_sizes(gm) else None)
+    if pm.defer_calls > 1 and graph_utils.has_dynamic_sizes(gm):
+        compiled = _AsIs(gm, pm)
+    elif pm.defer_calls > 1:
+        compiled = _Deferred(gm, pm, is_inference)
     else:
         compiled = _emit(gm, example_inputs, pm, is_inference)
     for wrapper in pm.call_wrappers:  # e.g. bucketing: pad the arguments, slice the outputs
@@ -109,20 +110,12 @@ def _emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager, is
 
 class _Deferred:
     """A graph run as it is (eagerly: the Dynamo graph after the pre_aot passes) until its ``pm.defer_calls``-th
-    call, then compiled; the report says when. A static graph compiles with that call's arguments; a dynamic one
-    with Dynamo's fake inputs (its symbols) under Dynamo's tracing context, and guards its compile adds to the
-    shape environment then, which Dynamo's guards no longer check, are checked here: calls outside them run the
-    graph as it is."""
+    call, then compiled with that call's arguments (ctx.defer_compile); the report says when."""
 
-    def __init__(self, gm: fx.GraphModule, pm: PassManager, is_inference: bool,
-                 fake_inputs: Sequence[Any] | None = None):
-        self.gm, self.pm, self.is_inference, self.fake_inputs = gm, pm, is_inference, fake_inputs
+    def __init__(self, gm: fx.GraphModule, pm: PassManager, is_inference: bool):
+        self.gm, self.pm, self.is_inference = gm, pm, is_inference
         self.calls, self.compiled = 0, None
         self.tracing = torch._guards.TracingContext.try_get()  # Dynamo's, for Inductor to find static inputs
-        self.shape_env = getattr(getattr(self.tracing, "fake_mode", None), "shape_env", None)
-        self.guards_before = len(self.shape_env.guards) if self.shape_env is not None else 0
-        self.late_guards: list = []
-        self.inside: dict[tuple, bool] = {}  # sizes -> whether the late guards hold there
         pm.report.notes.append(f"compile deferred to call {pm.defer_calls}: the graph runs eagerly until then")
 
     def __call__(self, *args: Any) -> Any:
@@ -133,8 +126,7 @@ class _Deferred:
             start = time.perf_counter()
             try:
                 with torch._guards.tracing(self.tracing) if self.tracing is not None else contextlib.nullcontext():
-                    self.compiled = _emit(self.gm, self.fake_inputs if self.fake_inputs is not None else args,
-                                          self.pm, self.is_inference)
+                    self.compiled = _emit(self.gm, args, self.pm, self.is_inference)
             except Exception as e:  # noqa: BLE001 - the graph runs as it is, as it did until now
                 if self.pm.options.strict:
                     raise
@@ -142,37 +134,25 @@ class _Deferred:
                 self.pm.report.notes.append(f"the deferred compile failed ({type(e).__name__}: {str(e)[:200]}); "
                                             "the graph keeps running as it is")
                 return self.gm(*args)
-            if self.fake_inputs is not None and self.shape_env is not None:
-                self.late_guards = [self.shape_env.replace(g.expr) for g in self.shape_env.guards[self.guards_before:]]
             self.pm.report.notes.append(f"compiled at call {self.calls} "
-                                        f"({(time.perf_counter() - start) * 1e3:.0f} ms)" +
-                                        (f"; {len(self.late_guards)} guards it added checked at each call"
-                                         if self.late_guards else ""))
-        if self.late_guards and not self._inside(args):
-            return self.gm(*args)
+                                        f"({(time.perf_counter() - start) * 1e3:.0f} ms)")
         return self.compiled(*args)
 
-    def _inside(self, args: Sequence[Any]) -> bool:
-        """Whether the guards the deferred compile added hold at these arguments' sizes (a symbol they do not
-        give: no)."""
-        values: dict = {}
-        for x, a in zip(self.fake_inputs, args):
-            if isinstance(x, torch.SymInt):
-                values[x.node.expr] = int(a)
-            elif isinstance(x, torch.Tensor):
-                for s, n in zip(x.shape, a.shape):
-                    if isinstance(s, torch.SymInt):
-                        values[s.node.expr] = int(n)
-        key = tuple(values.values())
-        ok = self.inside.get(key)
-        if ok is None:
-            subs = {s: sympy.Integer(v) for s, v in values.items() if isinstance(s, sympy.Symbol)}
-            held = [g.xreplace(subs) for g in self.late_guards]
-            ok = self.inside[key] = all(not g.free_symbols and bool(g) for g in held)
-            if not ok:
-                self.pm.report.notes.append(f"sizes {key} are outside a guard the deferred compile added: calls "
-                                            "there run the graph as it is")
-        return ok
+
+class _AsIs:
+    """A dynamic graph whose compile a pass deferred: never compiled (a dynamic graph compiled outside Dynamo
+    would lose its symbols, and the guards its compile adds would not be Dynamo's), run as it is (eagerly) at
+    any call that reaches it. Bucketing defers only graphs another graph serves (batch 1 served by the frame's
+    dynamic graph); this runs where serving stops. Holds the graph only, not the pass manager and its
+    example inputs."""
+
+    def __init__(self, gm: fx.GraphModule, pm: PassManager):
+        self.gm = gm
+        pm.report.notes.append("not compiled: its calls go to another graph, and any that do not run it as it is "
+                               "(eagerly)")
+
+    def __call__(self, *args: Any) -> Any:
+        return self.gm(*args)
 
 
 def _with_call_hooks(compiled: Callable, before: list[Callable], after: list[Callable]) -> Callable:

@@ -171,11 +171,11 @@ class PassContext:
         self.call_wrappers.append(wrapper)
 
     def defer_compile(self, calls: int) -> None:
-        """Run the graph as it is (eagerly) until its ``calls``-th call, and compile it then (pre_aot passes): a
-        static graph with that call's arguments as the example, a dynamic one with Dynamo's fake inputs, so it
-        keeps its symbols (guards that compile adds are checked at each call: backend._Deferred). For graphs
-        that may never be called again or are served by another: bucketing's static first graph, whose compile
-        would cost seconds for one call, and batch 1, served by the frame's dynamic graph."""
+        """Run the graph as it is (eagerly) until its ``calls``-th call, and compile it then, with that call's
+        arguments as the example (pre_aot passes). For graphs that may never be called again: bucketing's static
+        first graph, whose compile would cost seconds for one call. A graph with dynamic sizes is never compiled
+        then (compiled outside Dynamo it would lose its symbols): it runs as it is at every call that reaches it
+        (bucketing: batch 1 with the sequence dynamic, served by the frame's dynamic graph)."""
         if self.stage != "pre_aot":
             raise RuntimeError("defer_compile is for pre_aot passes")
         self.defer_calls = max(self.defer_calls, calls)

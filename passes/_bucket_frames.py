@@ -207,6 +207,7 @@ class _Mapping:
         self.why = self._map(mine, fakes) or self._covered(mine, fakes)
 
     def _map(self, mine: dict, fakes: list[Any]) -> str | None:
+        derived: list[tuple] = []
         for name, what in self.dyn.args:
             if what is None:
                 return f"argument {name} is neither a tensor nor a size"
@@ -226,11 +227,18 @@ class _Mapping:
                         return f"{name} has size {have} where the dynamic graph's is {size}"
                     continue
                 s = size.node.expr
+                if not isinstance(s, sympy.Symbol):  # a size the dynamic graph derives (2*s27): checked below
+                    derived.append((name, d, s, have))
+                    continue
                 if self.symbolic.setdefault(s, have) != have:  # two sizes the dynamic graph takes as one
                     return f"{name} dim {d}: sizes the dynamic graph holds equal are not equal here"
                 self.dims.setdefault(s, (i, d))
             if name in self.dyn.owned:
                 self.owned.append((i, self.dyn.owned[name]))
+        for name, d, expr, have in derived:  # must be that expression of this graph's sizes, not a size of its own
+            if expr.free_symbols - set(self.symbolic) or _evaluated(_Size(expr), _sympified(self.symbolic)) != (
+                    have if isinstance(have, int) else _Size(have)):
+                return f"{name} dim {d}: the dynamic graph derives it ({expr}) and this graph does not"
         return None
 
     def _covered(self, mine: dict, fakes: list[Any]) -> str | None:
@@ -278,7 +286,7 @@ class Served:
     def _stop(self, why: str) -> None:
         self.off = why
         self.notes.append(f"not served by the frame's dynamic graph from call {self.served + 1}: {why}; this graph "
-                          "compiles its own code")
+                          "runs its own code from then on (compiled, or as it is where its note says so)")
 
     def _prepare(self, dyn: _Dynamic) -> str | None:
         """Map onto ``dyn`` once: the arguments, the sizes, the same program."""
@@ -349,14 +357,21 @@ def _sympified(values: dict) -> dict:
     return {s: sympy.Integer(v) if isinstance(v, int) else v for s, v in values.items()}
 
 
-def why_not(gm: fx.GraphModule, key: tuple | None) -> str | None:
-    """Why a graph dynamic in fewer dims cannot be served by its frame's dynamic graph, told before compiling it
-    (the arguments and the program; the parameters' identity and the values are checked at its first call)."""
+def why_not(gm: fx.GraphModule, key: tuple | None, example_inputs: Sequence[Any]) -> str | None:
+    """Why a graph dynamic in fewer dims cannot be served by its frame's dynamic graph, told before it would
+    compile (it is not compiled where it is served): the arguments, the program, the parameters' identity
+    (Dynamo's example inputs hold the real parameters); the values are checked at its first call."""
     dyn = _FRAMES.get(key) if key is not None else None
     if dyn is None or dyn.built() is None:
         return "the frame has no bucketed dynamic graph"
     served = Served(key, gm, lambda *a: None, [])
-    return served._prepare(dyn)
+    try:
+        why = served._prepare(dyn)
+    except Exception as e:  # noqa: BLE001 - a comparison this module did not foresee: compiled as any graph
+        return f"the graphs could not be compared ({type(e).__name__}: {str(e)[:200]})"
+    if why is None and not served.mapping.same_owned(example_inputs):
+        why = "it reads other parameters than the dynamic graph was compiled with (another model of the class?)"
+    return why
 
 
 def serve(ctx, gm: fx.GraphModule, key: tuple | None) -> None:

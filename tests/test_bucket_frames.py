@@ -204,37 +204,57 @@ def test_batch_1_with_the_sequence_dynamic_that_is_another_program_compiles_at_o
     assert "joint" in reports[2].stages and not any("deferred" in n for n in reports[2].notes)
 
 
-def test_a_deferred_dynamic_compile_keeps_its_symbols_and_checks_the_guards_it_added():
-    """Another model of the class: its batch-1 graph maps, its parameters do not, so its own compile runs,
-    deferred, with Dynamo's fake inputs: one compile for every sequence. Guards that compile adds to the shape
-    environment after Dynamo built its own are not Dynamo's to check: calls outside them run the graph as it is
-    (a guard the compile adds by hand stands for one)."""
-    from kpt_compiler import backend
-
-    real, ran = backend._emit, []
-
-    def emit(gm, example_inputs, pm, is_inference):
-        compiled = real(gm, example_inputs, pm, is_inference)
-        sym = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.SymInt)]
-        if pm.defer_calls < 2 or not sym:
-            return compiled
-        bool(example_inputs[sym[0]] <= 10)  # a guard on the sequence, as a compile's own checks add them
-
-        def checked(*args):
-            ran.append(args[sym[0]])
-            assert ran[-1] <= 10, "compiled code called outside the guard its compile added"
-            return compiled(*args)
-
-        return checked
-
+def test_batch_1_of_another_model_of_the_class_is_refused_before_its_compile():
+    """Its graph maps and is the same program; its parameters are other objects (read off Dynamo's example
+    inputs, the real ones): compiled as any graph."""
     _stream_2d(Rows().eval(), [(3, 5), (4, 7)])
-    backend._emit = emit
-    try:
-        reports = _stream_2d(Rows().eval(), [(1, 9), (1, 7), (1, 30), (1, 6)], reset=False)
-    finally:
-        backend._emit = real
-    assert ran == [8, 8]  # padded to powers of two; 9: eager (call 1), 30 (32): outside
-    mine = reports[-1]
-    assert any("other parameters" in n for n in mine.notes), mine.notes
-    assert any(n.startswith("compiled at call 2") for n in mine.notes), mine.notes
-    assert any("outside a guard the deferred compile added" in n for n in mine.notes), mine.notes
+    reports = _stream_2d(Rows().eval(), [(1, 9), (1, 7), (1, 30)], reset=False)
+    notes = reports[-1].pass_record("bucketing").notes
+    assert any("not served" in n and "other parameters" in n for n in notes), notes
+    assert "joint" in reports[-1].stages
+
+
+class Derived(nn.Module):
+    """At batch > 1 the forward checks y's length is twice x's, so Dynamo's dynamic graph derives it (2*s); the
+    batch-1 graph never checks it and keeps y's length a size of its own."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, y):
+        if x.shape[0] > 1 and y.shape[1] != 2 * x.shape[1]:
+            raise ValueError("y must be twice x for batches")
+        return self.a(x), self.b(y)
+
+
+def test_a_size_the_dynamic_graph_derives_is_not_served_where_the_other_graph_has_its_own():
+    """Found by a review: the derived size was taken for a free one, and y padded or cut to twice x's length."""
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    model = Derived().eval()
+    fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
+    with torch.no_grad():
+        for i, (b, s, t) in enumerate([(3, 5, 10), (4, 7, 14), (1, 5, 10), (1, 5, 7), (1, 9, 30), (1, 6, 40)]):
+            x, y = torch.randn(b, s, 16), torch.randn(b, t, 16)
+            for z in (x, y) if i else ():
+                torch._dynamo.mark_dynamic(z, 1)
+                if b > 1:
+                    torch._dynamo.mark_dynamic(z, 0)
+            for got, ref in zip(fn(x, y), model(x, y)):
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    notes = [n for r in kpt_compiler.reports() for n in r.pass_record("bucketing").notes]
+    assert any("the dynamic graph derives it" in n for n in notes), notes
+
+
+def test_a_served_batch_1_graph_that_stops_being_served_runs_as_it_is(monkeypatch):
+    """Never compiled (a dynamic graph compiled outside Dynamo would lose its symbols): where serving stops (here
+    the first call's check made to fail), its calls run the graph eagerly, right at every sequence."""
+    from kpt_compiler.passes import _bucket_frames as frames
+
+    monkeypatch.setattr(frames, "_differs", lambda out, ref: "made to differ")
+    reports = _stream_2d(Rows().eval(), [(3, 5), (4, 7), (1, 9), (1, 11), (1, 30)])
+    one = reports[2]
+    assert "joint" not in one.stages
+    assert any("not served by the frame's dynamic graph from call 1" in n for n in one.notes), one.notes
+    assert any(n.startswith("not compiled: its calls go to another graph") for n in one.notes), one.notes
