@@ -116,6 +116,7 @@ class _Deferred:
         self.gm, self.pm, self.is_inference = gm, pm, is_inference
         self.calls, self.compiled = 0, None
         self.tracing = torch._guards.TracingContext.try_get()  # Dynamo's, for Inductor to find static inputs
+        pm.example_inputs = []  # the first call's real inputs, not held until a compile that may never run
         pm.report.notes.append(f"compile deferred to call {pm.defer_calls}: the graph runs eagerly until then")
 
     def __call__(self, *args: Any) -> Any:
@@ -124,6 +125,7 @@ class _Deferred:
             if self.calls < self.pm.defer_calls:
                 return self.gm(*args)
             start = time.perf_counter()
+            self.pm.example_inputs = list(args)  # for the wrap stage's passes, as Dynamo's would be
             try:
                 with torch._guards.tracing(self.tracing) if self.tracing is not None else contextlib.nullcontext():
                     self.compiled = _emit(self.gm, args, self.pm, self.is_inference)

@@ -281,12 +281,18 @@ class Served:
         self.mapping: _Mapping | None = None
         self.sizes: dict[tuple, tuple[list, bool]] = {}  # the dynamic graph's sizes -> (template, forced)
         self.off: str | None = None
-        self.served = 0
+        self.served = self.unserved = 0
 
     def _stop(self, why: str) -> None:
         self.off = why
         self.notes.append(f"not served by the frame's dynamic graph from call {self.served + 1}: {why}; this graph "
                           "runs its own code from then on (compiled, or as it is where its note says so)")
+
+    def _cannot(self, why: str) -> None:
+        self.unserved += 1
+        if self.unserved == 1:
+            self.notes.append(f"a call the dynamic graph cannot take ({why}) ran this graph's own code; later calls "
+                              "are served where they map (each such call counted)")
 
     def _prepare(self, dyn: _Dynamic) -> str | None:
         """Map onto ``dyn`` once: the arguments, the sizes, the same program."""
@@ -335,8 +341,9 @@ class Served:
             template, dyn.plan.forced = self._at(args)
             out = built(*[args[i] if i is not None else v for i, v in template])
             why = None if self.bound is not None else _differs(out, self.gm(*args))  # the first: checked
-        except CannotServe as e:
-            why = str(e)
+        except CannotServe as e:  # these sizes only: this call runs the graph's own code, later ones are served
+            self._cannot(str(e))
+            return self.own(*args)
         except Exception as e:  # noqa: BLE001 - the dynamic code refused these inputs: this graph's own code runs
             why = f"the dynamic graph raised {type(e).__name__}: {str(e)[:200]}"
         finally:
@@ -371,7 +378,12 @@ def why_not(gm: fx.GraphModule, key: tuple | None, example_inputs: Sequence[Any]
         return f"the graphs could not be compared ({type(e).__name__}: {str(e)[:200]})"
     if why is None and not served.mapping.same_owned(example_inputs):
         why = "it reads other parameters than the dynamic graph was compiled with (another model of the class?)"
-    return why
+    plan = dyn.plan
+    for s, have in (served.mapping.symbolic.items() if why is None else ()):
+        vr = plan.shape_env.var_to_range.get(s) if plan.shape_env is not None else None
+        if isinstance(have, int) and s not in plan.symbols and vr is not None and not vr.lower <= have <= vr.upper:
+            why = f"the dynamic graph does not pad {s} (bucketing's dims), and {have} is outside the sizes its code takes"
+    return why or (f"the dynamic graph's padding was withdrawn: {plan.withdrawn}" if plan.withdrawn else None)
 
 
 def serve(ctx, gm: fx.GraphModule, key: tuple | None) -> None:

@@ -89,6 +89,8 @@ class Plan:
     buckets: tuple[int, ...] | str | None  # str: "fit", until fitted (then ``ladders``)
     shape_env: Any = None
     withdrawn: str | None = None  # a later pass made padding unsafe (the fp8 pass's tensorwise scales)
+    # the graph is served by its frame's dynamic graph and never compiled (passes/_bucket_frames.py): no captures
+    served_elsewhere: bool = False
     seen: dict[tuple, bool] = dataclasses.field(default_factory=dict)  # bucket -> the guards hold there
     notes: list[str] | None = None
     calls: int = 0
@@ -281,6 +283,7 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
     if not frames.known(key):
         frames.register(ctx, gm, plan)
     elif (refused := frames.why_not(gm, key, ctx.example_inputs)) is None:  # batch 1, the sequence dynamic
+        plan.served_elsewhere = True
         _serve(gm, ctx, key)
     else:
         ctx.note(f"not served by the frame's bucketed dynamic graph: {refused}; compiled")

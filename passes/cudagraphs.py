@@ -97,6 +97,10 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
         ctx.note(f"not captured: {why}")
         return False
     plan = _bucketing_plan(gm)
+    if plan is not None and plan.served_elsewhere:
+        ctx.note("not captured: the frame's dynamic graph serves this one, and its buckets are captured there; "
+                 "calls it cannot take run this graph as it is (eagerly), uncaptured")
+        return False
     if plan is not None:
         return per_bucket(gm, ctx, plan, lambda sizes, ceilings: roofline_ms(*estimate(gm, sizes), ceilings))
     keep = _outputs_in_pool(gm) if ctx.options.copy_outputs else None

@@ -258,3 +258,58 @@ def test_a_served_batch_1_graph_that_stops_being_served_runs_as_it_is(monkeypatc
     assert "joint" not in one.stages
     assert any("not served by the frame's dynamic graph from call 1" in n for n in one.notes), one.notes
     assert any(n.startswith("not compiled: its calls go to another graph") for n in one.notes), one.notes
+
+
+class Not16(Rows):
+    def forward(self, x):
+        if x.shape[1] == 16:  # the dynamic code is guarded Ne(s, 16): bucket 16 breaks it
+            raise ValueError("16 is reserved")
+        return super().forward(x)
+
+
+def test_a_size_no_bucket_takes_runs_the_graph_as_it_is_for_that_call_only():
+    """Found by a review: one such call stopped serving for good, and a batch-1 graph never compiled ran eagerly
+    from then on."""
+    reports = _stream_2d(Not16().eval(), [(3, 5), (4, 7), (1, 9), (1, 12), (1, 9), (1, 30), (1, 5)])
+    one = reports[2]
+    assert any(n.startswith("a call the dynamic graph cannot take") for n in one.notes), one.notes
+    assert any(n.startswith("served by the frame's bucketed dynamic graph") for n in one.notes), one.notes
+    assert not any("not served" in n for n in one.notes), one.notes
+
+
+def test_a_deferred_graph_does_not_hold_its_first_inputs():
+    """Found by a review: the first call's inputs stayed alive through the pass manager as long as the model,
+    for a compile that, served, never runs."""
+    import gc
+    import weakref
+
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    model = Rows().eval()
+    fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
+    with torch.no_grad():
+        first = torch.randn(3, 5, 16)
+        fn(first)
+        held = weakref.ref(first)
+        del first
+        gc.collect()
+    assert held() is None
+
+
+def test_batch_1_is_not_served_by_a_graph_that_does_not_pad_the_batch():
+    """bucketing's dims=(1,): the dynamic code takes batch 2 and up and nothing pads 1 to 2, so the batch-1 graph
+    compiles its own code (it was accepted, never compiled, and ran eagerly)."""
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    model = Rows().eval()
+    fn = torch.compile(model, backend="kernelpytorch", options={**OPTIONS, "bucketing": {"pad": "always",
+                                                                                        "dims": (1,)}})
+    with torch.no_grad():
+        for i, (b, s) in enumerate([(3, 5), (4, 7), (1, 9), (1, 11)]):
+            x = torch.randn(b, s, 16)
+            for d in ((1,) if b == 1 else (0, 1)) if i else ():
+                torch._dynamo.mark_dynamic(x, d)
+            torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    one = kpt_compiler.reports()[2]
+    assert any("does not pad" in n for n in one.pass_record("bucketing").notes), one.pass_record("bucketing").notes
+    assert "joint" in one.stages
