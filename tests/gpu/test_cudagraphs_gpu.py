@@ -234,3 +234,25 @@ def test_a_written_input_met_again_at_an_address_captured_before_replays_that_gr
         torch.testing.assert_close(cache, ref)
         captured_after.append(len(made))
     assert captured_after == [1, 2, 2], captured_after
+
+
+def test_batch_1_is_served_by_the_dynamic_graphs_captured_buckets():
+    """Dynamo's graph for batch 1 (the sequence still dynamic) is not compiled: its calls are padded to batch 2
+    and replayed from the dynamic graph's captures (passes/_bucket_frames.py), right at every length."""
+    torch.manual_seed(0)
+    model = Causal().cuda().bfloat16().eval()
+    kpt_compiler.clear_reports()
+    f = _compiled(model, bucketing=True, cudagraphs={"decide": "always"})
+    sizes = [(3, 50), (4, 60), (1, 33), (1, 60), (1, 33), (1, 50), (1, 64)]
+    with torch.no_grad():
+        for i, (b, s) in enumerate(sizes):
+            x = torch.randn(b, s, 256, device="cuda", dtype=torch.bfloat16)
+            for d in ((1,) if b == 1 else (0, 1)) if i else ():
+                torch._dynamo.mark_dynamic(x, d)
+            out = f(x)
+            torch.testing.assert_close(out, model(x), rtol=2e-2, atol=2e-2)
+    reports = kpt_compiler.reports()
+    one = reports[-1]
+    assert "joint" not in one.stages and any(n.startswith("served by the frame's") for n in one.notes), one.notes
+    dynamic = reports[1].pass_record("cudagraphs").notes
+    assert any(": captured (" in n and "=2" in n for n in dynamic), dynamic  # batch 1 replayed at batch 2
