@@ -6,7 +6,8 @@ Dynamo specializes sizes 0 and 1 (batch 1 keeps the sequence dynamic: a graph dy
 a full compile (seconds) for sizes the dynamic graph also covers once padded to one of its buckets (a size under
 its least, 1 under 2, pads up to it). So a static inference graph whose frame has a bucketed dynamic graph (now,
 or by the call where its own deferred compile would start), or a graph dynamic in fewer dims compiled after it,
-is served by that graph; its own compile is deferred and runs only where serving stops:
+is served by that graph. A static one's compile is deferred and runs only where serving stops; one with dynamic
+sizes (checked before it would compile, ``why_not``) is never compiled and runs as it is there:
 - the frame is Dynamo's (``CompileId.frame_id``, one per code object: two models of one class share it; ids
   restart at ``torch._dynamo.reset``, so the code objects traced are part of the key), and the compile's options
   must be the same;
@@ -15,14 +16,15 @@ is served by that graph; its own compile is deferred and runs only where serving
   where the dynamic graph's are dynamic, and sizes that graph holds equal equal here); its parameters and buffers
   must be the very objects the dynamic graph was compiled with (another model of the class is not served);
 - sizes under which the dynamic code's guards hold go through it as a call Dynamo would have sent there; others
-  are padded to a bucket where they hold (``Plan._forced``), else the graph compiles its own code;
+  are padded to a bucket where they hold (``Plan._forced``), else that call runs the graph's own code;
 - the two graphs must be one program: node for node the same ops, constants and outputs, the dynamic one's sizes
   evaluated at the other's (ints, or its own symbols: sympy expressions compared after substitution, so the
-  program is the same at every size the other graph takes; a forward that branches on batch 1, breaks the graph there, or reads a global
-  that changed since is another program);
+  program is the same at every size the other graph takes; a size the dynamic graph derives, 2*s, must be
+  that expression here too; a forward that branches on batch 1, breaks the graph there, or reads a global that
+  changed since is another program);
 - the first served call is checked against the graph run as it is (eagerly, as the deferred compile runs it):
   outputs of other structure, shapes or dtypes, or values off by more than the dtype's tolerance, and the graph
-  compiles its own code from then on. The report says which, and counts the served calls.
+  runs its own code from then on. The report says which.
 """
 
 from __future__ import annotations
