@@ -262,8 +262,8 @@ class PassManager:
         if self.dump is None:  # nobody reads the code now: the diff is made if the report's reader asks
             after_graph = graph_utils.copy_graph(gm.graph)
             attrs = graph_utils.meta_attrs(gm, snap.graph, after_graph)
-            rec._diff_from = functools.partial(graph_utils.diff_of_graphs, type(gm).__name__, attrs, snap.graph, after_graph,
-                                               names)
+            rec._diff_from = functools.partial(graph_utils.diff_of_graphs, type(gm).__name__, attrs, snap.graph,
+                                               after_graph, names)
             # the copy for the diff is also the next pass's rollback point (neither changes a graph it holds)
             return rec, None, snap.graph, graph_utils.snapshot(gm, after_graph)
         before = code_before if code_before is not None else graph_utils.readable_code(gm, snap.graph)

@@ -29,18 +29,17 @@ sizes (checked before it would compile, ``why_not``) is never compiled and runs 
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any, Callable, Sequence
 
 import sympy
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from kpt_compiler.bench import relative_error
 
 from ._bucket_inputs import _guards_hold, _value
+from ._graph_structure import _evaluated, _fake, _Size, _source, _structure, _sympified
 
 
 class CannotServe(Exception):
@@ -48,6 +47,7 @@ class CannotServe(Exception):
 
 
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+OTHER_PARAMETERS = "it reads other parameters than the dynamic graph was compiled with (another model of the class?)"
 _FRAMES: dict[tuple, "_Dynamic"] = {}  # frame_key -> the frame's latest bucketed dynamic graph
 
 
@@ -64,96 +64,6 @@ def frame_key(ctx) -> tuple | None:
 def known(key: tuple | None) -> bool:
     entry = _FRAMES.get(key) if key is not None else None
     return entry is not None and entry.built() is not None
-
-
-def _source(node: fx.Node) -> str | None:
-    src = getattr(node.meta.get("grapharg"), "source", None)
-    name = getattr(src, "name", None)
-    return name() if callable(name) else name
-
-
-_SYM = (torch.SymInt, torch.SymBool, torch.SymFloat)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Size:  # a dynamic size in a structure (tags of their own: no keyword or constant can look like one)
-    expr: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Input:
-    source: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Node:
-    index: int
-
-
-def _structure(gm: fx.GraphModule) -> list | None:
-    """The graph node for node, sizes as values: ``_Size(expr)`` for a dynamic size (a SymInt node or argument),
-    the int itself in a static graph; inputs by their source, other nodes by their place. Two graphs of one frame are the same program at
-    some sizes when their structures are equal with the dynamic one's sizes evaluated there. None: a node this
-    comparison does not cover (a SymBool or SymFloat, a submodule, an attribute)."""
-    where: dict[fx.Node, Any] = {}
-    out: list = []
-
-    def arg(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            return where[a]
-        if isinstance(a, (list, tuple)):
-            return (type(a).__name__, tuple(arg(x) for x in a))
-        if isinstance(a, dict):
-            return ("dict", tuple((k, arg(v)) for k, v in a.items()))
-        if isinstance(a, slice):
-            return ("slice", arg(a.start), arg(a.stop), arg(a.step))
-        if isinstance(a, torch.Tensor):
-            return ("tensor", id(a))  # the same object or not the same program
-        return a
-
-    for node in gm.graph.nodes:
-        v = node.meta.get("example_value")
-        if isinstance(v, _SYM):
-            if not isinstance(v, torch.SymInt) or free_unbacked_symbols(v):  # .item(), nonzero: no size gives it
-                return None
-            where[node] = _Size(v.node.expr)
-            continue
-        if node.op == "placeholder":
-            where[node] = _Input(_source(node))
-        elif node.op in ("call_module", "get_attr"):
-            return None
-        else:
-            where[node] = _Node(len(out))
-        if node.op != "placeholder" and type(v) is int and node.op != "output":
-            where[node] = v  # a size a static graph computed
-            continue
-        if node.op != "placeholder":
-            out.append((node.op, node.target, arg(node.args), arg(node.kwargs)))
-    return out
-
-
-def _evaluated(a: Any, values: dict) -> Any:
-    """``a`` with the dynamic graph's sizes replaced: by ints (a static graph's), or by the other graph's own
-    expressions (a graph dynamic in fewer dims: batch 1 with the sequence dynamic), compared as sympy keeps them."""
-    if isinstance(a, _Size):
-        r = a.expr.xreplace(values)
-        return int(r) if r.is_number else _Size(r)
-    if isinstance(a, tuple):
-        return tuple(_evaluated(x, values) for x in a)
-    if isinstance(a, list):
-        return [_evaluated(x, values) for x in a]
-    return a
-
-
-def _fake(node: fx.Node) -> Any:
-    """A placeholder as the comparison needs it: a size's expression, a tensor's (sizes, dtype, device), else
-    None (sizes: ints, or sympy expressions where dynamic)."""
-    v = node.meta.get("example_value")
-    if isinstance(v, torch.SymInt):
-        return v.node.expr
-    if isinstance(v, torch.Tensor):
-        return (tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in v.shape), v.dtype, v.device)
-    return None
 
 
 def _owned(name: str) -> bool:
@@ -337,7 +247,7 @@ class Served:
                 self._stop(why)
                 return self.own(*args)
         if not self.mapping.same_owned(args):
-            self._stop("it reads other parameters than the dynamic graph was compiled with (another model of the class?)")
+            self._stop(OTHER_PARAMETERS)
             return self.own(*args)
         try:
             template, dyn.plan.forced = self._at(args)
@@ -362,14 +272,11 @@ class Served:
         return out
 
 
-def _sympified(values: dict) -> dict:
-    return {s: sympy.Integer(v) if isinstance(v, int) else v for s, v in values.items()}
-
-
-def why_not(gm: fx.GraphModule, key: tuple | None, example_inputs: Sequence[Any]) -> str | None:
-    """Why a graph dynamic in fewer dims cannot be served by its frame's dynamic graph, told before it would
-    compile (it is not compiled where it is served): the arguments, the program, the parameters' identity
-    (Dynamo's example inputs hold the real parameters); the values are checked at its first call."""
+def prepared(gm: fx.GraphModule, key: tuple | None, example_inputs: Sequence[Any]) -> "Served | str":
+    """A graph dynamic in fewer dims, mapped onto its frame's dynamic graph before it would compile (it is not
+    compiled where it is served; ``serve`` takes this, so the comparison is not made again at its first call), or
+    why it cannot be: the arguments, the program, the parameters' identity (Dynamo's example inputs hold the real
+    parameters); the values are checked at its first call."""
     dyn = _FRAMES.get(key) if key is not None else None
     if dyn is None or dyn.built() is None:
         return "the frame has no bucketed dynamic graph"
@@ -379,18 +286,28 @@ def why_not(gm: fx.GraphModule, key: tuple | None, example_inputs: Sequence[Any]
     except Exception as e:  # noqa: BLE001 - a comparison this module did not foresee: compiled as any graph
         return f"the graphs could not be compared ({type(e).__name__}: {str(e)[:200]})"
     if why is None and not served.mapping.same_owned(example_inputs):
-        why = "it reads other parameters than the dynamic graph was compiled with (another model of the class?)"
+        why = OTHER_PARAMETERS
     plan = dyn.plan
     for s, have in (served.mapping.symbolic.items() if why is None else ()):
         vr = plan.shape_env.var_to_range.get(s) if plan.shape_env is not None else None
         if isinstance(have, int) and s not in plan.symbols and vr is not None and not vr.lower <= have <= vr.upper:
-            why = f"the dynamic graph does not pad {s} (bucketing's dims), and {have} is outside the sizes its code takes"
-    return why or (f"the dynamic graph's padding was withdrawn: {plan.withdrawn}" if plan.withdrawn else None)
+            why = f"the dynamic graph does not pad {s} (bucketing's dims), and {have} is outside its code's sizes"
+    if plan.withdrawn:
+        why = why or f"the dynamic graph's padding was withdrawn: {plan.withdrawn}"
+    return why or served
 
 
-def serve(ctx, gm: fx.GraphModule, key: tuple | None) -> None:
-    """A static inference graph: served by its frame's dynamic graph where one is (or will be) bucketed."""
-    ctx.wrap_built(lambda built, notes: Served(key, gm, built, notes))
+def serve(ctx, gm: fx.GraphModule, key: tuple | None, served: Served | None = None) -> None:
+    """A static inference graph (or one ``prepared``): served by its frame's dynamic graph where one is (or will
+    be) bucketed."""
+
+    def wrap(built: Callable, notes: list[str]) -> Served:
+        if served is None:
+            return Served(key, gm, built, notes)
+        served.own, served.notes = built, notes
+        return served
+
+    ctx.wrap_built(wrap)
 
 
 def _differs(out: Any, ref: Any) -> str | None:

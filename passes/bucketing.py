@@ -282,11 +282,11 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
     key = frames.frame_key(ctx) if ctx.is_inference else None
     if not frames.known(key):
         frames.register(ctx, gm, plan)
-    elif (refused := frames.why_not(gm, key, ctx.example_inputs)) is None:  # batch 1, the sequence dynamic
+    elif isinstance(served := frames.prepared(gm, key, ctx.example_inputs), str):
+        ctx.note(f"not served by the frame's bucketed dynamic graph: {served}; compiled")
+    else:  # batch 1, the sequence dynamic
         plan.served_elsewhere = True
-        _serve(gm, ctx, key)
-    else:
-        ctx.note(f"not served by the frame's bucketed dynamic graph: {refused}; compiled")
+        _serve(gm, ctx, key, served)
     plan.after_shapes = ctx.options.after_shapes if ctx.explicit else AUTO_AFTER_SHAPES
     ctx.count("padded_dims", len(plan.symbols))
     rungs = "powers of two" if plan.buckets is None else "a ladder fitted to the sizes met" if plan.buckets == "fit" \
@@ -313,9 +313,9 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
     return True  # applied: the graph is the same; the compiled callable gets the padding around it
 
 
-def _serve(gm: fx.GraphModule, ctx: PassContext, key: tuple | None) -> None:
+def _serve(gm: fx.GraphModule, ctx: PassContext, key: tuple | None, served=None) -> None:
     ctx.defer_compile(max(2, ctx.options.compile_static_after))
-    frames.serve(ctx, gm, key)
+    frames.serve(ctx, gm, key, served)
     ctx.note("served by the frame's bucketed dynamic graph where its calls map onto it (padded to a bucket); where "
              "they do not, a static graph compiles its own code, one with dynamic sizes runs as it is "
              "(passes/_bucket_frames.py)")
