@@ -1,9 +1,14 @@
-"""Usage: PYTHONPATH=. python3 -m benchmarks.diag_decode_host [auto|always|eager] (GPU).
+"""Usage: PYTHONPATH=. python3 -m benchmarks.diag_decode_host [auto|always|eager] [OUT_DIR] (GPU).
 
-Where a decode token's wall time goes under kpt[cudagraphs-always] (issue 17: 2.6 ms/token vs 1.67 device):
-per generate(64), the host time inside the compiled forward, inside each kpt graph, the CUDA graphs captured
-during the timed calls, and cProfile's top functions."""
+Where a decode token's wall time goes under kpt (issue 17: 1.6 ms per token asked, the device time near the
+weights' floor): per generate(64), the host time inside the compiled forward, inside each kpt graph, inside our
+capture's ``BucketGraphs.run`` / ``_replay`` / ``CUDAGraph.replay``, the CUDA graphs captured during the timed
+calls; then the same generate with Dynamo's guards evaluated only where they tell cache entries apart
+(``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``, a measurement of what the guards cost, never a
+setting of ours), and cProfile's top functions (the whole listing into OUT_DIR when given)."""
 import cProfile
+import io
+import os
 import pstats
 import sys
 import time
@@ -12,8 +17,10 @@ import torch
 
 import kpt_compiler.backend as KB
 from benchmarks.bench_decode import FULL, build_model
+from passes import _bucket_graphs as BG
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "always"
+out_dir = sys.argv[2] if len(sys.argv) > 2 else None
 stats = {}
 orig = KB._run_pipeline_and_emit
 
@@ -33,7 +40,24 @@ def counted(gm, example_inputs, pm):
     return run
 
 
+def timer(owner, name, key):
+    real = getattr(owner, name)
+    stats[key] = [0, 0.0]
+
+    def timed(*a, **k):
+        t = time.perf_counter()
+        out = real(*a, **k)
+        s = stats[key]
+        s[0] += 1
+        s[1] += time.perf_counter() - t
+        return out
+    setattr(owner, name, timed)
+
+
 KB._run_pipeline_and_emit = counted
+timer(BG.BucketGraphs, "run", "  BucketGraphs.run")
+timer(BG.BucketGraphs, "_replay", "   BucketGraphs._replay")
+timer(torch.cuda.CUDAGraph, "replay", "    CUDAGraph.replay")
 captures = [0]
 _Graph = torch.cuda.CUDAGraph
 
@@ -72,9 +96,7 @@ def gen(n):
     return time.perf_counter() - t
 
 
-with torch.no_grad():
-    for _ in range(2):
-        gen(64)
+def measured(label):
     for s in stats.values():
         s[:] = [0, 0.0]
     fwd[:] = [0, 0.0]
@@ -84,15 +106,32 @@ with torch.no_grad():
     g1 = {k: list(v) for k, v in stats.items()}
     tn = gen(64)
     per = (tn - t1) / 63 * 1e3
-    print(f"MODE {mode}: {per:.3f} ms/token wall; forward host {(fwd[1] - 2 * f1[1]) / 63 * 1e3:.3f} ms/token "
-          f"({fwd[0] - 2 * f1[0]} calls); CUDA graphs captured in gen(1) + gen(64): {captures[0]}")
+    print(f"MODE {mode}{label}: {per:.3f} ms/token wall; forward host {(fwd[1] - 2 * f1[1]) / 63 * 1e3:.3f} "
+          f"ms/token ({fwd[0] - 2 * f1[0]} calls); CUDA graphs captured in gen(1) + gen(64): {captures[0]}")
     for k, (c, s) in stats.items():
         c1, s1 = g1[k]
         print(f"  {k}: {c - 2 * c1} calls, host {(s - 2 * s1) / 63 * 1e3:.3f} ms/token")
+
+
+with torch.no_grad():
+    for _ in range(2):
+        gen(64)
+    measured("")
+    measured(" (again)")
+    if mode != "eager":
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            measured(" with only the guards that tell graphs apart (skip_guard_eval_unsafe: a measurement)")
     pr = cProfile.Profile()
     pr.enable()
     gen(64)
     pr.disable()
-    st = pstats.Stats(pr)
-    st.sort_stats("cumulative").print_stats(28)
-    st.sort_stats("tottime").print_stats(15)
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    st.sort_stats("tottime").print_stats(60)
+    st.sort_stats("cumulative").print_stats(60)
+    text = buf.getvalue()
+    print("\n".join(text.splitlines()[:70]))
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, f"decode-host-{mode}-cprofile.txt"), "w") as f:
+            f.write(text)
