@@ -17,7 +17,7 @@ import torch
 
 import kpt_compiler.backend as KB
 from benchmarks.bench_decode import FULL, build_model
-from passes import _bucket_graphs as BG
+from kpt_compiler.passes import _bucket_graphs as BG
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "always"
 out_dir = sys.argv[2] if len(sys.argv) > 2 else None
