@@ -25,8 +25,8 @@ stats = {}
 orig = KB._run_pipeline_and_emit
 
 
-def counted(gm, example_inputs, pm):
-    fn = orig(gm, example_inputs, pm)
+def counted(gm, example_inputs, pm, *rest):
+    fn = orig(gm, example_inputs, pm, *rest)
     key = f"graph{len(stats)}"
     stats[key] = [0, 0.0]
 
