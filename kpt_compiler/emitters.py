@@ -102,11 +102,12 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: Pass
         finally:
             pm.emitter_stage.pop()
 
-    bypassed = _aot_cache_bypasses()
-    with caches:
+    bypassed, reasons = _aot_cache_bypasses(), []
+    with caches, _aot_bypass_reasons(reasons):
         compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     if pm.dump is None and _aot_cache_bypasses() > bypassed:
-        pm.report.notes.append(f"AOTAutograd's cache skipped this graph ({_aot_cache_reason(gm)}): a warm restart "
+        reason = " ".join(reasons[-1].split())[:300] if reasons else _aot_cache_reason(gm, patches)
+        pm.report.notes.append(f"AOTAutograd's cache skipped this graph ({reason}): a warm restart "
                                "traces and partitions it again before Inductor's FX-graph cache can hit")
     missing = [stage for stage in ("joint", "forward") if stage not in pm.report.stages]
     if missing:
@@ -123,13 +124,51 @@ def _aot_cache_bypasses() -> int:
     return counters["aot_autograd"]["autograd_cache_bypass"]
 
 
-def _aot_cache_reason(gm: fx.GraphModule) -> str:
-    """Why AOTAutograd's cache passed over ``gm``, by its own check of the graph (torch logs the reason at INFO
-    only); other reasons (its key could not be computed) are not told apart."""
+_AOT_CACHE_LOG = "torch._functorch._aot_autograd.autograd_cache"
+_BYPASS = "Bypassing autograd cache due to:"
+
+
+@contextlib.contextmanager
+def _aot_bypass_reasons(into: list[str]):
+    """The reasons AOTAutograd's cache gives for skipping a graph, as it logs them (at INFO only; its checks run
+    under the compile's config patches, so checking the graph again afterwards can name the wrong cause). The
+    logger is raised to INFO here without printing more: only records at the level it had before go on to the
+    handlers above it."""
+    import logging
+
+    logger = logging.getLogger(_AOT_CACHE_LOG)
+    shown = logger.getEffectiveLevel()
+    level, propagate = logger.level, logger.propagate
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if message.startswith(_BYPASS):
+                into.append(message[len(_BYPASS):].strip())
+            if propagate and record.levelno >= shown and logger.parent is not None:
+                logger.parent.handle(record)
+
+    catch = Catch(logging.INFO)
+    logger.addHandler(catch)
+    logger.setLevel(min(shown, logging.INFO))
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(catch)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+def _aot_cache_reason(gm: fx.GraphModule, patches: dict) -> str:
+    """Why AOTAutograd's cache passed over ``gm`` where its log did not say: its own check of the graph, under
+    the compile's config patches; other reasons (its key could not be made) are not told apart."""
     try:
         from torch._functorch._aot_autograd.autograd_cache import check_cacheable
+        from torch._inductor import config as inductor_config
 
-        check_cacheable(gm)
+        with inductor_config.patch(patches):
+            check_cacheable(gm)
     except Exception as e:  # noqa: BLE001 - the reason, whatever torch raised
         return " ".join(str(e).split())[:300]
     return "not for its graph's ops: its cache key could not be made"
