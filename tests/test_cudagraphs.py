@@ -353,3 +353,37 @@ def test_a_static_input_at_a_new_address_runs_uncaptured_and_the_report_says_so(
     assert graphs.run((), None, (cache, other), [], {}, {}) is None and graphs.fallbacks == 1
     assert any("moved from the address captured" in n and "[1]" in n for n in graphs.notes), graphs.notes
     assert not any("captured again" in n for n in graphs.notes)  # the cache did not move
+
+
+def test_a_new_cache_moves_into_the_storage_the_last_capture_kept_where_nothing_else_holds_either(monkeypatch):
+    # generate() makes a new static cache per call; capturing again for it cost ~7 ms on the H200 (s23). Where
+    # the old cache is gone and nothing views the new one, the new one's tensors move into the kept storage
+    # (content copied first) and the graph replays; otherwise it is captured as before.
+    bg, made = _fake_captures(monkeypatch, 1.0)
+    graphs = bg.BucketGraphs(bg.CaptureSettings("always", 1.0, None, lambda s: None), True, frozenset({0}))
+    graphs.notes = []
+    weight = torch.nn.Parameter(torch.zeros(4))
+
+    def calls(cache, n=1):
+        return [graphs.run((), None, (cache, weight), [], {}, {}) is not None for _ in range(n)]
+
+    a = torch.arange(4.0)
+    assert calls(a, 2) == [False, True] and len(made) == 1
+    kept_at = a.data_ptr()
+    del a  # the caller drops the first cache
+    b = torch.full((4,), 7.0)
+    assert calls(b, 2) == [True, True] and len(made) == 1 and graphs.adopted == 1
+    assert b.data_ptr() == kept_at and b.tolist() == [7.0] * 4  # moved, its values with it
+    assert any("moved into the storage the last capture kept" in n for n in graphs.notes), graphs.notes
+    c = torch.zeros(4)  # b still held by the caller: c gets a capture of its own, c's storage is kept now
+    assert calls(c) == [True] and len(made) == 2 and c.data_ptr() != kept_at
+    del c
+    d = torch.zeros(4)
+    view = d[1:]  # would no longer see the writes after a move
+    assert calls(d) == [True] and len(made) == 3 and graphs.adopted == 1
+    del d, view
+    e = torch.zeros(2, 2)  # another layout
+    assert calls(e) == [True] and len(made) == 4
+    del e
+    f = torch.ones(2, 2)
+    assert calls(f) == [True] and len(made) == 4 and graphs.adopted == 2 and f.tolist() == [[1.0, 1.0]] * 2
