@@ -141,7 +141,8 @@ def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node)
     total = None
     for how, m, fill in masks:
         if how == "add":  # match checked the query's dtype holds the mask exactly
-            term = m if ir.example_value(m).dtype == dtype else ir.emit(graph, torch.Tensor.to, (m, dtype), like=like)
+            cast = ir.example_value(m).dtype != dtype  # an op (torch.Tensor.to would leave AOTAutograd's cache)
+            term = ir.emit(graph, torch.ops.aten.to.dtype, (m, dtype), like=like) if cast else m
         else:
             zero = ir.emit(graph, torch.zeros, ((),), {"dtype": dtype, "device": ir.example_value(m).device},
                            like=like)
@@ -261,7 +262,7 @@ def _dense_last_dim(run: _Run, mask: fx.Node, probe: bool = False) -> fx.Node | 
                          "others), so the call reads rows padded to a multiple of 8 (kpt::pad_rows)")
             return run.contiguous[mask]
         with run.gm.graph.inserting_after(mask):
-            run.contiguous[mask] = ir.emit(run.gm.graph, torch.Tensor.contiguous, (mask,), like=mask)
+            run.contiguous[mask] = ir.emit(run.gm.graph, torch.ops.aten.contiguous.default, (mask,), like=mask)
         run.ctx.note(f"{mask.name}: the mask's last dimension has stride {val.stride(-1)}; the fused SDPA kernels "
                      "need 1, so the call reads a contiguous copy")
     return run.contiguous[mask]
