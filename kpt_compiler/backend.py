@@ -87,6 +87,9 @@ def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm
         compiled = _with_call_hooks(compiled, pm.call_hooks, pm.return_hooks)
     for wrapper in pm.built_wrappers:  # e.g. bucketing: a specialized graph served by its frame's dynamic one
         compiled = wrapper(compiled, pm.report.notes)
+    # Dynamo's real inputs are not held past the compile: pm sits in reference cycles, which kept the first call's
+    # tensors (a static cache: the next one could not move into the captured storage) until the collector ran
+    pm.example_inputs = []
     return compiled
 
 
@@ -129,6 +132,7 @@ class _Deferred:
             try:
                 with torch._guards.tracing(self.tracing) if self.tracing is not None else contextlib.nullcontext():
                     self.compiled = _emit(self.gm, args, self.pm, self.is_inference)
+                self.pm.example_inputs = []  # this call's tensors, not held past it
             except Exception as e:  # noqa: BLE001 - the graph runs as it is, as it did until now
                 if self.pm.options.strict:
                     raise

@@ -149,3 +149,34 @@ def test_target_capabilities():
     assert not a100.has_fp8 and a100.has_sparse_2_4
     assert not cpu.has_fp8 and not cpu.has_sparse_2_4 and not cpu.has_triton
     assert "sm_90" in h100.describe()
+
+
+def test_the_first_calls_tensors_are_not_held_past_the_compile(monkeypatch):
+    # the pass manager keeps Dynamo's example inputs for the passes while it compiles. It sits in reference cycles
+    # (its stage hooks live in Inductor's config patches), so holding them afterwards kept the first call's tensors
+    # until the collector ran: a static cache, whose successor could then not move into the captured storage
+    # (seen on the H200, s23), and whatever memory they hold
+    import weakref
+
+    from kpt_compiler import backend
+
+    managers, real = [], backend._run_pipeline_and_emit
+
+    def run(gm, example_inputs, pm, *rest):
+        managers.append(pm)
+        return real(gm, example_inputs, pm, *rest)
+
+    monkeypatch.setattr(backend, "_run_pipeline_and_emit", run)
+
+    def step(x, cache, pos):
+        cache.index_copy_(0, pos, x)
+        return cache.sum(0) * 2
+
+    cache = torch.zeros(8, 16)
+    alive = weakref.ref(cache)
+    compiled = torch.compile(step, backend="kernelpytorch")
+    torch.testing.assert_close(compiled(torch.ones(1, 16), cache, torch.tensor([0])), torch.full((16,), 2.0))
+    assert len(managers) == 1 and managers[0].example_inputs == []
+    managers.clear()
+    del cache
+    assert alive() is None
