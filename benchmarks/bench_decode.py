@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import statistics
@@ -92,13 +93,35 @@ def skip_reason(mode: str, device: str) -> str | None:
     return None
 
 
-def first_difference(a: list[int] | None, b: list[int] | None) -> str:
+def first_difference(a: list[int] | None, b: list[int] | None, steps: list[dict] | None = None) -> str:
+    """Where tokens ``a`` first differ from ``b``. ``steps``: ``b``'s greedy margins per step (``margins``); where
+    the step that differs had its two best logits within one rounding step of the model's dtype, the text says
+    so: one rounding of any kernel decides such a token (random weights make exact ties)."""
     if a is None or b is None:
         return "-"
     i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if i is None and len(a) == len(b):
         return "identical"
-    return f"differs at {i if i is not None else min(len(a), len(b))}"
+    at = i if i is not None else min(len(a), len(b))
+    step = steps[at] if steps and at < len(steps) else None
+    if step is None:
+        return f"differs at {at}"
+    tie = ": a tie" if step["gap"] <= step["ulp"] else ""
+    return f"differs at {at} (the other's two best logits there {step['gap']:.3g} apart, one rounding step " \
+           f"{step['ulp']:.3g}{tie})"
+
+
+def margins(model, ids, new_tokens: int) -> tuple[list[int], list[dict]]:
+    """One more greedy generate() with its scores: the tokens and, per step, the gap between the two best logits
+    and one rounding step of the model's dtype at the best logit's magnitude."""
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
+                         output_scores=True, return_dict_in_generate=True)
+    eps = torch.finfo(model.dtype).eps
+    steps = []
+    for s in out.scores:
+        top = s[0].float().topk(2).values.tolist()
+        steps.append({"gap": top[0] - top[1], "ulp": eps * 2.0 ** math.floor(math.log2(max(abs(top[0]), 1e-30)))})
+    return out.sequences[0, ids.shape[1]:].tolist(), steps
 
 
 def kpt_graphs() -> list[dict]:
@@ -154,8 +177,10 @@ def run_mode(model, forward, ids, mode: str, kwargs: dict | None, args, device: 
     tokens = out[0, ids.shape[1]:].tolist()
     if len(tokens) != args.new_tokens:
         raise RuntimeError(f"generate made {len(tokens)} tokens, not {args.new_tokens}")
+    scored, steps = margins(model, ids, args.new_tokens)  # after the timing: not timed
     row.update(ms_per_token=statistics.median(per_token), min_ms=min(per_token), max_ms=max(per_token),
-               per_token_ms=per_token, tokens=tokens,
+               per_token_ms=per_token, tokens=tokens, margins=steps,
+               scored_vs_timed=first_difference(scored, tokens),
                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
     graphs = kpt_graphs() if kwargs and kwargs["backend"] == "kernelpytorch" else None
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
@@ -201,6 +226,10 @@ def table(record: dict) -> str:
         lines.append(f"| {r['mode']} | {r['compile_warmup_s']:.1f} | {r['ms_per_token']:.3f} | "
                      f"[{r['min_ms']:.3f}, {r['max_ms']:.3f}] | {r['vs_reference']} | {r['vs_eager']} | {peak} | "
                      f"{r['captured']} | {r['status']} |")
+    for r in record["rows"]:
+        if r.get("scored_vs_timed", "identical") != "identical":
+            lines.append(f"\n- {r['mode']}: the generate() run after the timing for the logits' margins "
+                         f"{r['scored_vs_timed']} from the timed run's tokens")
     for r in record["rows"]:
         for g in r.get("graphs") or []:
             lines.append(f"\n- {r['mode']} graph {g['graph']}: fired {', '.join(g['fired']) or 'none'}; cudagraphs "
@@ -287,8 +316,9 @@ def main(argv=None) -> int:
         return 0
     tokens = {r["mode"]: r.get("tokens") for r in rows}
     for r in rows:
-        r["vs_reference"] = first_difference(r.get("tokens"), tokens.get(args.reference))
-        r["vs_eager"] = first_difference(r.get("tokens"), tokens.get("eager"))
+        steps = {m["mode"]: m.get("margins") for m in rows}
+        r["vs_reference"] = first_difference(r.get("tokens"), tokens.get(args.reference), steps.get(args.reference))
+        r["vs_eager"] = first_difference(r.get("tokens"), tokens.get("eager"), steps.get("eager"))
     command = "python -m benchmarks.bench_decode " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
     record = {"card": torch.cuda.get_device_name() if device == "cuda" else "cpu", "device": device,
               "config_name": "tiny" if args.tiny else "8-layer", "config": config, "dtype": str(dtype),

@@ -35,6 +35,9 @@ def test_tiny_decode_on_cpu(tmp_path):
         assert len(row["per_token_ms"]) == record["repeats"] >= 1
         assert len(row["tokens"]) == 8
         assert row["vs_reference"] == "identical" and row["vs_eager"] == "identical"
+        # the margins come from one more generate() (scored), which made the timed run's tokens
+        assert row["scored_vs_timed"] == "identical" and len(row["margins"]) == 8
+        assert all(m["gap"] >= 0 and 0 < m["ulp"] < 1e-3 for m in row["margins"]), row["margins"]  # float32 here
     assert rows["kpt"]["compile_kwargs"]["options"] == {"codegen": "eager"}
     graphs = rows["kpt"]["graphs"]
     assert len(graphs) == 2  # the prefill and the decode step
@@ -79,3 +82,15 @@ def test_generate_host_diag_times_generate_with_and_without_a_forward(tmp_path):
     assert [r["forward"].split()[0] for r in record["rows"]] == ["tiny", "none"]
     assert all(len(r["per_token_ms"]) == 1 and r["per_token_ms"][0] > 0 for r in record["rows"])
     assert "generate()'s own host time" in (tmp_path / "diag_generate_host.md").read_text()
+
+
+def test_a_difference_at_a_tie_is_told_from_one_at_a_clear_margin():
+    # bf16 logits of random weights tie exactly (the H200's decode, s23: two best logits 0 apart at steps 9 and 10),
+    # where one rounding of any kernel decides the token
+    steps = [{"gap": 0.5, "ulp": 0.03125}, {"gap": 0.0, "ulp": 0.03125}, {"gap": 0.03125, "ulp": 0.03125}]
+    assert bench_decode.first_difference([1, 2], [1, 2], steps) == "identical"
+    assert bench_decode.first_difference([9, 2, 3], [1, 2, 3], steps).startswith("differs at 0 (") \
+        and "a tie" not in bench_decode.first_difference([9, 2, 3], [1, 2, 3], steps)
+    assert bench_decode.first_difference([1, 9, 3], [1, 2, 3], steps).endswith(": a tie)")
+    assert bench_decode.first_difference([1, 2, 9], [1, 2, 3], steps).endswith(": a tie)")  # within one step
+    assert bench_decode.first_difference([1, 9], [1, 2, 3]) == "differs at 1"  # no margins: as before
