@@ -271,8 +271,10 @@ def _same_layout(new: torch.Tensor, old: torch.Tensor) -> bool:
 
 def _sole_owner(t: torch.Tensor) -> bool:
     """No other tensor (a view, the caller's own reference to a kept storage) shares ``t``'s storage: its use count
-    is this tensor's and the Python storage object's made to ask."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
+    is this tensor's and the Python storage object's held here (held, not a temporary: torch 2.9 frees a temporary
+    before the count is read, torch 2.13 keeps it)."""
+    storage = t.untyped_storage()
+    return torch._C._storage_Use_Count(storage._cdata) == 2
 
 
 def _fill_padded(buf: torch.Tensor, a: torch.Tensor) -> None:
