@@ -73,24 +73,27 @@ def _compile_id() -> str:
 def _run_pipeline_and_emit(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: PassManager,
                            original: graph_utils.GraphSnapshot | None = None) -> Callable:
     """``original``: a snapshot of ``gm`` as it is (the pre_aot stage's first rollback point, not copied again)."""
-    is_inference = _is_inference(gm, example_inputs)
-    pm.run_stage(gm, "pre_aot", is_inference=is_inference, snapshot=original)
-    if pm.defer_calls > 1 and graph_utils.has_dynamic_sizes(gm):
-        compiled = _AsIs(gm, pm)
-    elif pm.defer_calls > 1:
-        compiled = _Deferred(gm, pm, is_inference)
-    else:
-        compiled = _emit(gm, example_inputs, pm, is_inference)
-    for wrapper in pm.call_wrappers:  # e.g. bucketing: pad the arguments, slice the outputs
-        compiled = wrapper(compiled)
-    if pm.call_hooks or pm.return_hooks:
-        compiled = _with_call_hooks(compiled, pm.call_hooks, pm.return_hooks)
-    for wrapper in pm.built_wrappers:  # e.g. bucketing: a specialized graph served by its frame's dynamic one
-        compiled = wrapper(compiled, pm.report.notes)
-    # Dynamo's real inputs are not held past the compile: pm sits in reference cycles, which kept the first call's
-    # tensors (a static cache: the next one could not move into the captured storage) until the collector ran
-    pm.example_inputs = []
-    return compiled
+    try:
+        is_inference = _is_inference(gm, example_inputs)
+        pm.run_stage(gm, "pre_aot", is_inference=is_inference, snapshot=original)
+        if pm.defer_calls > 1 and graph_utils.has_dynamic_sizes(gm):
+            compiled = _AsIs(gm, pm)
+        elif pm.defer_calls > 1:
+            compiled = _Deferred(gm, pm, is_inference)
+        else:
+            compiled = _emit(gm, example_inputs, pm, is_inference)
+        for wrapper in pm.call_wrappers:  # e.g. bucketing: pad the arguments, slice the outputs
+            compiled = wrapper(compiled)
+        if pm.call_hooks or pm.return_hooks:
+            compiled = _with_call_hooks(compiled, pm.call_hooks, pm.return_hooks)
+        for wrapper in pm.built_wrappers:  # e.g. bucketing: a specialized graph served by its frame's dynamic one
+            compiled = wrapper(compiled, pm.report.notes)
+        return compiled
+    finally:
+        # Dynamo's real inputs are not held past the compile, failed or not: pm sits in reference cycles, which
+        # kept the first call's tensors (a static cache: the next one could not move into the captured storage)
+        # until the collector ran
+        pm.example_inputs = []
 
 
 def _is_inference(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
@@ -132,7 +135,6 @@ class _Deferred:
             try:
                 with torch._guards.tracing(self.tracing) if self.tracing is not None else contextlib.nullcontext():
                     self.compiled = _emit(self.gm, args, self.pm, self.is_inference)
-                self.pm.example_inputs = []  # this call's tensors, not held past it
             except Exception as e:  # noqa: BLE001 - the graph runs as it is, as it did until now
                 if self.pm.options.strict:
                     raise
@@ -140,6 +142,8 @@ class _Deferred:
                 self.pm.report.notes.append(f"the deferred compile failed ({type(e).__name__}: {str(e)[:200]}); "
                                             "the graph keeps running as it is")
                 return self.gm(*args)
+            finally:
+                self.pm.example_inputs = []  # this call's tensors, not held past it
             self.pm.report.notes.append(f"compiled at call {self.calls} "
                                         f"({(time.perf_counter() - start) * 1e3:.0f} ms)")
         return self.compiled(*args)

@@ -102,11 +102,11 @@ def compile_inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], pm: Pass
         finally:
             pm.emitter_stage.pop()
 
-    bypassed, reasons = _aot_cache_bypasses(), []
-    with caches, _aot_bypass_reasons(reasons):
+    bypassed = _aot_cache_bypasses()
+    with caches:
         compiled = compile_fx(gm, example_inputs, inner_compile=inner_compile, config_patches=patches)
     if pm.dump is None and _aot_cache_bypasses() > bypassed:
-        reason = " ".join(reasons[-1].split())[:300] if reasons else _aot_cache_reason(gm, patches)
+        reason = _aot_cache_reason(gm, patches)
         pm.report.notes.append(f"AOTAutograd's cache skipped this graph ({reason}): a warm restart "
                                "traces and partitions it again before Inductor's FX-graph cache can hit")
     missing = [stage for stage in ("joint", "forward") if stage not in pm.report.stages]
@@ -124,45 +124,10 @@ def _aot_cache_bypasses() -> int:
     return counters["aot_autograd"]["autograd_cache_bypass"]
 
 
-_AOT_CACHE_LOG = "torch._functorch._aot_autograd.autograd_cache"
-_BYPASS = "Bypassing autograd cache due to:"
-
-
-@contextlib.contextmanager
-def _aot_bypass_reasons(into: list[str]):
-    """The reasons AOTAutograd's cache gives for skipping a graph, as it logs them (at INFO only; its checks run
-    under the compile's config patches, so checking the graph again afterwards can name the wrong cause). The
-    logger is raised to INFO here without printing more: only records at the level it had before go on to the
-    handlers above it."""
-    import logging
-
-    logger = logging.getLogger(_AOT_CACHE_LOG)
-    shown = logger.getEffectiveLevel()
-    level, propagate = logger.level, logger.propagate
-
-    class Catch(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if message.startswith(_BYPASS):
-                into.append(message[len(_BYPASS):].strip())
-            if propagate and record.levelno >= shown and logger.parent is not None:
-                logger.parent.handle(record)
-
-    catch = Catch(logging.INFO)
-    logger.addHandler(catch)
-    logger.setLevel(min(shown, logging.INFO))
-    logger.propagate = False
-    try:
-        yield
-    finally:
-        logger.removeHandler(catch)
-        logger.setLevel(level)
-        logger.propagate = propagate
-
-
 def _aot_cache_reason(gm: fx.GraphModule, patches: dict) -> str:
-    """Why AOTAutograd's cache passed over ``gm`` where its log did not say: its own check of the graph, under
-    the compile's config patches; other reasons (its key could not be made) are not told apart."""
+    """Why AOTAutograd's cache passed over ``gm``: its own check of the graph, under the compile's config patches
+    (checked outside them, it named a function the patches mark cacheable; s23). Where the check passes, the cause
+    came later (its key or its entry), and AOTAutograd's log at INFO says which."""
     try:
         from torch._functorch._aot_autograd.autograd_cache import check_cacheable
         from torch._inductor import config as inductor_config
@@ -171,7 +136,8 @@ def _aot_cache_reason(gm: fx.GraphModule, patches: dict) -> str:
             check_cacheable(gm)
     except Exception as e:  # noqa: BLE001 - the reason, whatever torch raised
         return " ".join(str(e).split())[:300]
-    return "not for its graph's ops: its cache key could not be made"
+    return ("not for its graph's ops: its key or its entry could not be made; TORCH_LOGS="
+            "'+torch._functorch._aot_autograd.autograd_cache' shows why")
 
 
 def _cacheable_functions(gm: fx.GraphModule, pm: PassManager) -> dict[str, str]:

@@ -19,12 +19,18 @@ set of their addresses. generate() makes a new cache per call; a capture for it 
 the H200, s23: 0.11 ms per token of a 64-token call). So the last capture keeps its written tensors' storage,
 and a new cache of the same layout is moved into that storage instead (its content copied in, its tensors
 ``set_`` onto it) when nothing else holds either: the old cache's tensors are gone (the caller dropped them) and
-no other tensor views the new ones (a view would no longer see the writes). Otherwise it is captured again.
+no other tensor views the new ones (a view would no longer see the writes), nor a Python storage object of the
+caller's. Otherwise it is captured again. What this costs: one cache's memory held past the caller's last use,
+until the graph goes (``torch._dynamo.reset()``); kept only where each written input owns its storage alone (a
+K and V sliced from one buffer never move, and nothing is kept). Not seen: aliases made outside torch's
+bookkeeping (DLPack, ``__cuda_array_interface__``), which a move would leave on freed memory;
+``cudagraphs={"move_inputs": False}`` captures every new cache instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Sequence
 
 import torch
@@ -63,7 +69,8 @@ class BucketGraphs:
     # allocator tends to hand the freed cache's blocks back, so a few sets cover a run of calls
     MAX_ADDRESS_SETS = 4
 
-    def __init__(self, settings: CaptureSettings, mutated_inputs: bool, mutated: frozenset[int] | None = None):
+    def __init__(self, settings: CaptureSettings, mutated_inputs: bool, mutated: frozenset[int] | None = None,
+                 move: bool = True):
         self.settings = settings
         # mutated: the arguments the graph writes into, read in place (a capture replays the write into them; a
         # new address is a new capture); None when they are not known (then a graph that mutates is not captured)
@@ -78,6 +85,8 @@ class BucketGraphs:
         self.pool_mb = 0.0
         self.recaptures = 0
         self.adopted = 0  # new caches moved into the storage of the one captured (no capture; see _adopt)
+        self.move = move  # the cudagraphs pass's move_inputs
+        self.kept_mb = 0.0  # what the last capture's kept storage holds
         self.fallbacks = 0  # replays refused because a static input moved (the call ran uncaptured)
         # graphs that write into their inputs: per bucket, one graph per set of those inputs' addresses
         self.by_address: dict[tuple, dict[tuple, _Captured]] = {}
@@ -98,9 +107,10 @@ class BucketGraphs:
             where = tuple(args[i].data_ptr() for i in self.mutated_order)
             held = self.by_address.setdefault(key, {})
             cap = held.get(where)
-            if cap is None and held:
+            if cap is None and held and self.move:
                 moved_to, cap = self._adopt(held, args)
-                where = moved_to if cap is not None else where
+                # a failed move may have moved some tensors: the capture below is keyed where they are now
+                where = moved_to if cap is not None else tuple(args[i].data_ptr() for i in self.mutated_order)
             if cap is not None:
                 held[where] = held.pop(where)  # most recently used last
                 return self._replay(cap, args, padded_args)
@@ -139,7 +149,10 @@ class BucketGraphs:
             held = self.by_address[key]
             for other in held.values():
                 other.kept = None  # only the last capture holds its cache's storage (one cache more at most)
-            cap.kept = [args[i].detach() for i in self.mutated_order]
+            written = [args[i] for i in self.mutated_order]
+            if self.move and all(_movable(t) and _sole_owner(t) for t in written):  # else no move could happen
+                cap.kept = [t.detach() for t in written]
+                self.kept_mb = sum(t.untyped_storage().nbytes() for t in written) / 2**20
             held[where] = cap
             if recapture:
                 self.recaptures += 1
@@ -176,21 +189,25 @@ class BucketGraphs:
         if cap is None:
             return None, None
         news = [args[i] for i in self.mutated_order]
-        if not all(_same_layout(n, o) and _sole_owner(n) and _sole_owner(o) for n, o in zip(news, cap.kept)):
+        if not all(_movable(n) and _same_layout(n, o) and _sole_owner(n) and _sole_owner(o)
+                   for n, o in zip(news, cap.kept)):
             return None, None
         try:  # the content first: a tensor moved before a failure (then captured as before) keeps its values
             torch._foreach_copy_(cap.kept, news)
             for n, o in zip(news, cap.kept):
                 n.set_(o.untyped_storage(), o.storage_offset(), o.size(), o.stride())
-        except RuntimeError as e:  # an inference tensor outside inference mode, say
-            cap.kept = None  # not tried again
+        except RuntimeError as e:  # not foreseen by the checks above: no move is tried again
+            self.move = False
+            for c in held.values():
+                c.kept = None
             self.note(f"a new cache could not be moved into the kept storage ({type(e).__name__}: {str(e)[:120]}); "
-                      "captured again")
+                      "captured again, and each later one too")
             return None, None
         self.adopted += 1
         if self.adopted == 1:
-            self.note("the written inputs moved (a new cache): moved into the storage the last capture kept, replayed "
-                      "without capturing again (each later time too; not noted again)")
+            self.note(f"the written inputs moved (a new cache): moved into the storage the last capture kept "
+                      f"({self.kept_mb:.1f} MiB, held until the graph goes), replayed without capturing again (each "
+                      "later time too; not noted again)")
         return where, cap
 
     def _why_not(self, key: tuple, sizes: dict, estimate: bool = True) -> str | None:
@@ -269,12 +286,31 @@ def _same_layout(new: torch.Tensor, old: torch.Tensor) -> bool:
             and new.untyped_storage().nbytes() == old.untyped_storage().nbytes() and not new.requires_grad)
 
 
+def _movable(t: Any) -> bool:
+    """A tensor whose storage ``set_`` may replace: not an inference tensor outside inference mode (``set_`` would
+    raise after moving it), no gradient."""
+    return isinstance(t, torch.Tensor) and not t.requires_grad and \
+        (not t.is_inference() or torch.is_inference_mode_enabled())
+
+
+_ALONE: tuple[int, int] | None = None
+
+
+def _counts(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()  # held: torch 2.9 frees a temporary before its count is read, 2.13 keeps it
+    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
 def _sole_owner(t: torch.Tensor) -> bool:
-    """No other tensor (a view, the caller's own reference to a kept storage) shares ``t``'s storage: its use count
-    is this tensor's and the Python storage object's held here (held, not a temporary: torch 2.9 frees a temporary
-    before the count is read, torch 2.13 keeps it)."""
-    storage = t.untyped_storage()
-    return torch._C._storage_Use_Count(storage._cdata) == 2
+    """Nothing else holds ``t``'s storage: no other tensor (a view, an alias) and no Python storage object of the
+    caller's (``t.untyped_storage()`` kept). The counts are compared with a fresh tensor's, read the same way, as
+    torch versions count a storage's Python object differently. Not seen: an alias made outside torch's
+    bookkeeping of the storage (DLPack, ``__cuda_array_interface__``), which a move would leave on freed memory;
+    ``cudagraphs={"move_inputs": False}`` turns moves off."""
+    global _ALONE
+    if _ALONE is None:
+        _ALONE = _counts(torch.empty(1))
+    return _counts(t) == _ALONE
 
 
 def _fill_padded(buf: torch.Tensor, a: torch.Tensor) -> None:
@@ -326,7 +362,7 @@ def own_capture(ctx, mutated: frozenset[int]) -> bool:
     are marked static, so it is captured here (passes/_bucket_graphs.py, as one bucket): the written inputs are
     read and written in place, a new address of one of them (a new cache per ``generate()``) captures again."""
     graphs = BucketGraphs(CaptureSettings("always", ctx.options.launch_bound_ms, ctx.options.max_pool_mb,
-                                          lambda sizes: None), True, mutated)
+                                          lambda sizes: None), True, mutated, move=ctx.options.move_inputs)
 
     def wrap(compiled):
         def call(*args):
@@ -342,5 +378,7 @@ def own_capture(ctx, mutated: frozenset[int]) -> bool:
     ctx.count("captured")
     ctx.note(f"captured as a CUDA graph of ours (it writes into {len(mutated)} inputs, which Inductor's trees "
              "decline): written inputs read in place, one graph per set of their addresses (a new cache per "
-             "generate() call; a few held), captured again without a warm-up when they move; outputs copied out")
+             "generate() call; a few held), captured again without a warm-up when they move"
+             + (" (or moved into the storage the last capture kept: move_inputs)" if ctx.options.move_inputs else "")
+             + "; outputs copied out")
     return True

@@ -74,6 +74,10 @@ class CudaGraphsOptions:
     copy_outputs: bool = True
     # bucketed graphs (one CUDA graph per bucket): stop capturing new buckets once their pool holds this much
     max_pool_mb: float | None = None
+    # graphs that write into their inputs (a static KV cache): a new buffer of the captured layout, where nothing
+    # else holds it or the old one, moves into the storage the last capture kept instead of being captured
+    # (passes/_bucket_graphs.py); False captures each new one and keeps no storage
+    move_inputs: bool = True
 
     def __post_init__(self):
         if not self.launch_bound_ms > 0:

@@ -82,15 +82,11 @@ def test_a_graph_with_our_functions_is_taken_from_the_autograd_cache(tmp_path, m
         from kpt_compiler import emitters
 
         monkeypatch.setattr(emitters, "_cacheable_functions", lambda gm, pm: {})
-        # the reason is AOTAutograd's own, caught from its log as it skipped (checking the graph again afterwards,
-        # outside the compile's config patches, named the wrong cause on the H200: s23)
-        monkeypatch.setattr(emitters, "_aot_cache_reason", lambda gm, patches: "checked again")
         torch._dynamo.reset()
         with torch.no_grad():
             torch.compile(model, backend="kernelpytorch", options=options)(x)
         skipped = [n for n in kpt_compiler.last_report().notes if n.startswith("AOTAutograd's cache skipped")]
         assert skipped and "merged_linear_static" in skipped[0], kpt_compiler.last_report().notes
-        assert "checked again" not in skipped[0]
     with torch.no_grad():
         torch.testing.assert_close(results[1], model(x))
 
@@ -314,3 +310,22 @@ def test_a_failing_toolchain_setter_is_logged_once_and_the_compile_goes_on(monke
         backend.log.removeHandler(handler)
     assert Recorder.messages.count("could not give Triton Inductor's ptxas (TypeError: a changed signature); a warm "
                                    "restart may build kernels again") == 1, Recorder.messages
+
+
+def test_the_skip_reason_is_checked_under_the_compiles_config_patches():
+    # checked outside them, the reason named merged_linear_static, which the compile marks cacheable, for a graph
+    # AOTAutograd skipped for another cause (torch.Tensor methods as call_function targets, on the H200, s23)
+    import torch.fx as fx
+
+    from kpt_compiler import emitters
+    from kpt_compiler.passes.merge_parallel_linears import merged_linear_static
+
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    graph.output(graph.call_function(merged_linear_static, (x, w, None, [2, 2])))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    name = "kpt_compiler.passes.merge_parallel_linears.merged_linear_static"
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        assert "merged_linear_static" in emitters._aot_cache_reason(gm, {})
+        marked = emitters._aot_cache_reason(gm, {"unsafe_marked_cacheable_functions": {name: "key"}})
+    assert "merged_linear_static" not in marked and "TORCH_LOGS" in marked, marked

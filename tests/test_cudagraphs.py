@@ -387,3 +387,51 @@ def test_a_new_cache_moves_into_the_storage_the_last_capture_kept_where_nothing_
     del e
     f = torch.ones(2, 2)
     assert calls(f) == [True] and len(made) == 4 and graphs.adopted == 2 and f.tolist() == [[1.0, 1.0]] * 2
+
+
+def _moving_graphs(monkeypatch, move=True):
+    bg, made = _fake_captures(monkeypatch, 1.0)
+    graphs = bg.BucketGraphs(bg.CaptureSettings("always", 1.0, None, lambda s: None), True, frozenset({0, 1}),
+                             move=move)
+    graphs.notes = []
+    weight = torch.nn.Parameter(torch.zeros(4))
+
+    def calls(k, v, n=1):
+        return [graphs.run((), None, (k, v, weight), [], {}, {}) is not None for _ in range(n)]
+    return graphs, made, calls
+
+
+def test_no_move_where_the_caller_holds_a_storage_object_or_k_and_v_share_a_buffer_or_moves_are_off(monkeypatch):
+    # a review's findings (s23): a Python storage object of the caller's would stop seeing the writes; K and V
+    # sliced from one buffer can never move, so their storage is not kept either (it held a cache for nothing)
+    graphs, made, calls = _moving_graphs(monkeypatch)
+    k, v = torch.zeros(4), torch.zeros(4)
+    assert calls(k, v, 2) == [False, True] and len(made) == 1
+    del k, v
+    k2, v2 = torch.zeros(4), torch.zeros(4)
+    held = k2.untyped_storage()  # kept by the caller
+    assert calls(k2, v2) == [True] and len(made) == 2 and graphs.adopted == 0
+    del held
+    buf = torch.zeros(2, 4)
+    assert calls(buf[0], buf[1]) == [True] and len(made) == 3
+    assert all(c.kept is None for c in graphs.by_address[()].values())  # nothing kept: no move could happen
+    off, made_off, calls_off = _moving_graphs(monkeypatch, move=False)
+    a, b = torch.zeros(4), torch.zeros(4)
+    calls_off(a, b, 2)
+    del a, b
+    assert calls_off(torch.zeros(4), torch.zeros(4)) == [True] and len(made_off) == 2 and off.adopted == 0
+    assert all(c.kept is None for c in off.by_address[()].values())
+
+
+def test_an_inference_tensor_outside_inference_mode_is_not_moved_and_its_capture_is_keyed_where_it_is(monkeypatch):
+    # set_ raises on an inference tensor outside inference mode, after moving it: refused before anything moves
+    graphs, made, calls = _moving_graphs(monkeypatch)
+    k, v = torch.zeros(4), torch.zeros(4)
+    calls(k, v, 2)
+    del k, v
+    with torch.inference_mode():
+        k2, v2 = torch.ones(4), torch.ones(4)
+    addresses = (k2.data_ptr(), v2.data_ptr())
+    assert calls(k2, v2) == [True] and len(made) == 2 and graphs.adopted == 0
+    assert (k2.data_ptr(), v2.data_ptr()) == addresses and addresses in graphs.by_address[()]
+    assert not any("could not be moved" in n for n in graphs.notes), graphs.notes
