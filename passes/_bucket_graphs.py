@@ -23,7 +23,7 @@ no other tensor views the new ones (a view would no longer see the writes), nor 
 caller's. Otherwise it is captured again. What this costs: one cache's memory held past the caller's last use,
 until the graph goes (``torch._dynamo.reset()``); kept only where each written input owns its storage alone (a
 K and V sliced from one buffer never move, and nothing is kept). Not seen: aliases made outside torch's
-bookkeeping (DLPack, ``__cuda_array_interface__``), which a move would leave on freed memory;
+bookkeeping (DLPack, ``__cuda_array_interface__``, CUDA IPC), which a move would leave on freed memory;
 ``cudagraphs={"move_inputs": False}`` captures every new cache instead.
 """
 
@@ -155,11 +155,15 @@ class BucketGraphs:
                 self.kept_mb = sum(t.untyped_storage().nbytes() for t in written) / 2**20
             held[where] = cap
             if recapture:
+                cap_mb = self.settings.max_pool_mb
+                while cap_mb is not None and self.pool_mb > cap_mb and len(held) > 1:  # the least recently used go
+                    self.pool_mb -= held.pop(next(iter(held))).pool_mb
                 self.recaptures += 1
                 if self.recaptures == 1:
                     self.note("the written inputs moved (a new cache): captured again for their addresses, without a "
                               "warm-up (each later time too; not noted again)")
-                return self._replay(cap, args, padded_args)
+                if cap_mb is None or self.pool_mb <= cap_mb:
+                    return self._replay(cap, args, padded_args)  # else alone over the cap: released below
         else:
             self.graphs[key] = cap
         self.note(f"bucket {_label(sizes)}: captured ({cap.pool_mb:.1f} MiB more in the graphs' pool, "
@@ -189,7 +193,11 @@ class BucketGraphs:
         if cap is None:
             return None, None
         news = [args[i] for i in self.mutated_order]
-        if not all(_movable(n) and _same_layout(n, o) and _sole_owner(n) and _sole_owner(o)
+        # the kept storage where the graph writes (a storage resized since, as FSDP frees, is elsewhere); one new
+        # storage per written input
+        if tuple(o.data_ptr() for o in cap.kept) != where or len({n.data_ptr() for n in news}) != len(news):
+            return None, None
+        if not all(_movable(n) and _movable(o) and _same_layout(n, o) and _sole_owner(n) and _sole_owner(o)
                    for n, o in zip(news, cap.kept)):
             return None, None
         try:  # the content first: a tensor moved before a failure (then captured as before) keeps its values

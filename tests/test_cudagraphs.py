@@ -435,3 +435,48 @@ def test_an_inference_tensor_outside_inference_mode_is_not_moved_and_its_capture
     assert calls(k2, v2) == [True] and len(made) == 2 and graphs.adopted == 0
     assert (k2.data_ptr(), v2.data_ptr()) == addresses and addresses in graphs.by_address[()]
     assert not any("could not be moved" in n for n in graphs.notes), graphs.notes
+
+
+def test_no_move_into_a_kept_storage_that_was_resized_or_an_inference_tensor_outside_inference_mode(monkeypatch):
+    # a second review's findings (s23): a storage freed and grown again (FSDP does so) is no longer where the graph
+    # writes, so a move onto it would leave the writes elsewhere; a kept inference tensor cannot take a copy
+    # outside inference mode (that failure turned moves off for good)
+    graphs, made, calls = _moving_graphs(monkeypatch)
+    k, v = torch.zeros(4), torch.zeros(4)
+    calls(k, v, 2)
+    k.untyped_storage().resize_(0)
+    k.untyped_storage().resize_(16)
+    del k, v
+    assert calls(torch.zeros(4), torch.zeros(4)) == [True] and len(made) == 2 and graphs.adopted == 0
+    graphs, made, calls = _moving_graphs(monkeypatch)
+    with torch.inference_mode():
+        k, v = torch.zeros(4), torch.zeros(4)
+        calls(k, v, 2)
+    del k, v
+    assert calls(torch.zeros(4), torch.zeros(4)) == [True] and len(made) == 2 and graphs.adopted == 0
+    assert graphs.move and not any("could not be moved" in n for n in graphs.notes), graphs.notes
+
+
+def test_captures_for_new_caches_stay_under_max_pool_mb(monkeypatch):
+    # a recapture returned before the cap's check: 10 then 200 MiB under a 100 MiB cap held 210
+    from kpt_compiler.passes import _bucket_graphs as bg
+
+    sizes = iter([10.0, 90.0, 200.0])
+
+    def capture(self, compiled, args, padded_args, padded_shapes, stable, warm_up=True):
+        in_place = {i: a.data_ptr() for i, a in enumerate(args) if i in stable}
+        return bg._Captured(_FakeGraph(), {}, in_place, (torch.zeros(1),), next(sizes),
+                            tuple(i for i in in_place if i not in self.mutated))
+
+    monkeypatch.setattr(bg.BucketGraphs, "_capture", capture)
+    graphs = bg.BucketGraphs(bg.CaptureSettings("always", 1.0, 100.0, lambda s: None), True, frozenset({0}),
+                             move=False)
+    graphs.notes = []
+    caches = [torch.zeros(4), torch.zeros(4), torch.zeros(4)]
+    replayed = []
+    for c in caches:
+        replayed += [graphs.run((), None, (c,), [], {}, {}) is not None for _ in range(2)]
+    # 10 and 90 MiB: both held (100 MiB is at the cap, not over it); the third cache's 200 MiB makes room by
+    # dropping both, then passes the cap alone: released and the bucket declined, as a first capture over the cap is
+    assert replayed == [False, True, True, True, False, False], replayed
+    assert graphs.pool_mb == 0.0 and () in graphs.declined and not graphs.by_address.get(())
