@@ -6,7 +6,12 @@ add to the device time instead of hiding behind it). The model's forward is repl
 preallocated logits tensor (the same token each step) and does nothing else, so the time per token is
 generate's: preparing the inputs, the static cache's bookkeeping, logits processing, the stopping check and its
 sync. ms per token: (T(new) - T(1)) / (new - 1), as bench_decode measures it. For scale, the same with the real
-forward of a tiny eager Llama (2 layers, hidden 64: its modules' host time, almost no device time)."""
+forward of a tiny eager Llama (2 layers, hidden 64: its modules' host time, almost no device time).
+
+Split for the stub: per decode step, the host time from the loop's condition (``_has_unfinished_sequences``,
+returning after the step's sync) to the forward's call ("before the forward": on a real step this delays the
+device, which waits for the next replay) and from the forward's return to the next condition's return ("after":
+on a real step it overlaps the device's work, up to the sync), medians over the steps of one generate()."""
 
 from __future__ import annotations
 
@@ -37,6 +42,39 @@ def per_token_ms(model, ids, new: int, repeats: int, device: str) -> list[float]
     return out
 
 
+def split_ms(model, ids, new: int, device: str) -> dict:
+    """Medians over one generate()'s decode steps of the host time before and after the (stub) forward."""
+    marks: list[tuple[str, float]] = []
+    forward, condition = model.forward, model._has_unfinished_sequences
+
+    def timed_forward(*a, **k):
+        marks.append(("in", time.perf_counter()))
+        out = forward(*a, **k)
+        marks.append(("out", time.perf_counter()))
+        return out
+
+    def timed_condition(*a, **k):
+        going = condition(*a, **k)
+        marks.append(("cond", time.perf_counter()))
+        return going
+
+    model.forward, model._has_unfinished_sequences = timed_forward, timed_condition
+    try:
+        measure.sync(device)
+        model.generate(ids, max_new_tokens=new, do_sample=False, cache_implementation="static")
+        measure.sync(device)
+    finally:
+        model.forward, model._has_unfinished_sequences = forward, condition
+    before, after = [], []
+    for (k0, t0), (k1, t1), (k2, t2) in zip(marks, marks[1:], marks[2:]):
+        if (k0, k1, k2) == ("cond", "in", "out"):
+            before.append((t1 - t0) * 1e3)
+        if (k0, k1) == ("out", "cond") and k2 == "in":  # a decode step's forward followed by another
+            after.append((t1 - t0) * 1e3)
+    return {"before_forward_ms": statistics.median(before) if before else None,
+            "after_forward_ms": statistics.median(after) if after else None, "steps_split": len(before)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
@@ -60,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     model.forward = stub
     rows.append({"forward": "none (preallocated logits)", "per_token_ms": per_token_ms(
         model, ids, args.new_tokens, args.repeats, args.device)})
+    rows[-1].update(split_ms(model, ids, args.new_tokens, args.device))
     meta = outputs.run_meta("diag_generate_host", argv, args.device)
     lines = [f"# generate()'s own host time per token on {meta['card']}", "",
              f"- date: {meta['date']}; commit: {meta['commit']}; torch {meta['torch']}",
@@ -70,6 +109,12 @@ def main(argv: list[str] | None = None) -> None:
         t = r["per_token_ms"]
         r["median_ms"] = statistics.median(t)
         lines.append(f"| {r['forward']} | {r['median_ms']:.3f} [{min(t):.3f}, {max(t):.3f}] |")
+    stub = rows[-1]
+    if stub.get("before_forward_ms") is not None and stub.get("after_forward_ms") is not None:
+        lines += ["", f"Without a forward, per decode step (medians over {stub['steps_split']} steps of one call): "
+                      f"{stub['before_forward_ms']:.3f} ms from the loop's condition (after its sync) to the forward, "
+                      f"{stub['after_forward_ms']:.3f} ms from the forward's return to the next condition's return "
+                      "(the sync included)"]
     table = "\n".join(lines)
     print(table)
     if args.out:

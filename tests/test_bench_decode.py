@@ -82,6 +82,9 @@ def test_generate_host_diag_times_generate_with_and_without_a_forward(tmp_path):
     assert [r["forward"].split()[0] for r in record["rows"]] == ["tiny", "none"]
     assert all(len(r["per_token_ms"]) == 1 and r["per_token_ms"][0] > 0 for r in record["rows"])
     assert "generate()'s own host time" in (tmp_path / "diag_generate_host.md").read_text()
+    stub = record["rows"][1]  # its decode steps split around the forward: 3 of 4 tokens are decode steps
+    assert stub["steps_split"] == 3 and stub["before_forward_ms"] > 0 and stub["after_forward_ms"] > 0
+    assert "to the forward" in (tmp_path / "diag_generate_host.md").read_text()
 
 
 def test_a_difference_at_a_tie_is_told_from_one_at_a_clear_margin():
