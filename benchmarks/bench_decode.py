@@ -177,11 +177,11 @@ def run_mode(model, forward, ids, mode: str, kwargs: dict | None, args, device: 
     tokens = out[0, ids.shape[1]:].tolist()
     if len(tokens) != args.new_tokens:
         raise RuntimeError(f"generate made {len(tokens)} tokens, not {args.new_tokens}")
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None  # before the scored run
     scored, steps = margins(model, ids, args.new_tokens)  # after the timing: not timed
     row.update(ms_per_token=statistics.median(per_token), min_ms=min(per_token), max_ms=max(per_token),
                per_token_ms=per_token, tokens=tokens, margins=steps,
-               scored_vs_timed=first_difference(scored, tokens),
-               peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None)
+               scored_vs_timed=first_difference(scored, tokens), peak_gib=peak_gib)
     graphs = kpt_graphs() if kwargs and kwargs["backend"] == "kernelpytorch" else None
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     row.update(graphs=graphs, cudagraph_skips=skips, captured=captured_cell(mode, kwargs, graphs or [], skips))
@@ -315,8 +315,8 @@ def main(argv=None) -> int:
             json.dump({**rows[0], "attn_implementation": model.config._attn_implementation}, f)
         return 0
     tokens = {r["mode"]: r.get("tokens") for r in rows}
+    steps = {r["mode"]: r.get("margins") for r in rows}
     for r in rows:
-        steps = {m["mode"]: m.get("margins") for m in rows}
         r["vs_reference"] = first_difference(r.get("tokens"), tokens.get(args.reference), steps.get(args.reference))
         r["vs_eager"] = first_difference(r.get("tokens"), tokens.get("eager"), steps.get("eager"))
     command = "python -m benchmarks.bench_decode " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))

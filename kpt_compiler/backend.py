@@ -122,7 +122,6 @@ class _Deferred:
         self.gm, self.pm, self.is_inference = gm, pm, is_inference
         self.calls, self.compiled = 0, None
         self.tracing = torch._guards.TracingContext.try_get()  # Dynamo's, for Inductor to find static inputs
-        pm.example_inputs = []  # the first call's real inputs, not held until a compile that may never run
         pm.report.notes.append(f"compile deferred to call {pm.defer_calls}: the graph runs eagerly until then")
 
     def __call__(self, *args: Any) -> Any:

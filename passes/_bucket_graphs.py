@@ -16,7 +16,8 @@ replay of another bucket may write where this one's outputs were.
 
 Inputs the graph writes into (a static KV cache) are read and written where they are, and a graph is kept per
 set of their addresses. generate() makes a new cache per call; a capture for it costs milliseconds (about 7 on
-the H200, s23: 0.11 ms per token of a 64-token call). So the last capture keeps its written tensors' storage,
+the H200, s23, inferred: ``run`` took 0.11 ms per token beyond its replay over a 64-token call with one
+capture). So the last capture keeps its written tensors' storage,
 and a new cache of the same layout is moved into that storage instead (its content copied in, its tensors
 ``set_`` onto it) when nothing else holds either: the old cache's tensors are gone (the caller dropped them) and
 no other tensor views the new ones (a view would no longer see the writes), nor a Python storage object of the
@@ -288,10 +289,10 @@ class BucketGraphs:
 
 
 def _same_layout(new: torch.Tensor, old: torch.Tensor) -> bool:
-    return (isinstance(new, torch.Tensor) and type(new) is type(old) and new.dtype == old.dtype
-            and new.device == old.device and new.size() == old.size() and new.stride() == old.stride()
+    return (type(new) is type(old) and new.dtype == old.dtype and new.device == old.device
+            and new.size() == old.size() and new.stride() == old.stride()
             and new.storage_offset() == old.storage_offset()
-            and new.untyped_storage().nbytes() == old.untyped_storage().nbytes() and not new.requires_grad)
+            and new.untyped_storage().nbytes() == old.untyped_storage().nbytes())
 
 
 def _movable(t: Any) -> bool:
@@ -312,9 +313,8 @@ def _counts(t: torch.Tensor) -> tuple[int, int]:
 def _sole_owner(t: torch.Tensor) -> bool:
     """Nothing else holds ``t``'s storage: no other tensor (a view, an alias) and no Python storage object of the
     caller's (``t.untyped_storage()`` kept). The counts are compared with a fresh tensor's, read the same way, as
-    torch versions count a storage's Python object differently. Not seen: an alias made outside torch's
-    bookkeeping of the storage (DLPack, ``__cuda_array_interface__``), which a move would leave on freed memory;
-    ``cudagraphs={"move_inputs": False}`` turns moves off."""
+    torch versions count a storage's Python object differently. Aliases outside torch are not seen (the module's
+    docstring)."""
     global _ALONE
     if _ALONE is None:
         _ALONE = _counts(torch.empty(1))

@@ -184,14 +184,29 @@ def test_without_bucketing_a_dynamic_graph_is_refused_with_the_way_out():
     assert rec.status != "applied" and any("bucketing" in n for n in rec.notes), rec.notes
 
 
-def test_a_graph_writing_into_its_inputs_is_captured_by_us_and_the_writes_land():
-    def step(x, cache, pos):  # a static cache's update: written in place, read back
-        cache.index_copy_(0, pos, x)
-        return cache.sum(0) * 2
+def _step(x, cache, pos):  # a static cache's update: written in place, read back
+    cache.index_copy_(0, pos, x)
+    return cache.sum(0) * 2
 
+
+def _compiled_step(monkeypatch=None):
+    """``_step`` compiled with our capture on; with ``monkeypatch``, the CUDA graphs made are counted too."""
+    made = []
+    if monkeypatch is not None:
+        class Counted(torch.cuda.CUDAGraph):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                made.append(self)
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Counted)
     torch._dynamo.reset()
-    f = torch.compile(step, backend="kernelpytorch", options={"cudagraphs": {"decide": "always"}})
-    for _ in range(2):  # a second cache (a new generate() call): captured again for its address
+    return torch.compile(_step, backend="kernelpytorch", options={"cudagraphs": {"decide": "always"}}), made
+
+
+def test_a_graph_writing_into_its_inputs_is_captured_by_us_and_the_writes_land():
+    f, _ = _compiled_step()
+    step = _step
+    for _ in range(2):  # a second cache (a new generate() call): moved into the first's storage, or captured
         cache, ref = torch.zeros(8, 16, device="cuda"), torch.zeros(8, 16, device="cuda")
         outs = []
         for i in range(6):
@@ -208,21 +223,8 @@ def test_a_graph_writing_into_its_inputs_is_captured_by_us_and_the_writes_land()
 def test_a_written_input_met_again_at_an_address_captured_before_replays_that_graph(monkeypatch):
     # generate() makes a new static cache per call: one graph per set of the cache's addresses, the second
     # captured without a warm-up run, and a cache met again replays its own graph instead of capturing again
-    made = []
-
-    class Counted(torch.cuda.CUDAGraph):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            made.append(self)
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Counted)
-
-    def step(x, cache, pos):
-        cache.index_copy_(0, pos, x)
-        return cache.sum(0) * 2
-
-    torch._dynamo.reset()
-    f = torch.compile(step, backend="kernelpytorch", options={"cudagraphs": {"decide": "always"}})
+    f, made = _compiled_step(monkeypatch)
+    step = _step
     caches = {name: (torch.zeros(8, 16, device="cuda"), torch.zeros(8, 16, device="cuda")) for name in "AB"}
     captured_after = []
     for name in "ABA":
@@ -238,22 +240,9 @@ def test_a_written_input_met_again_at_an_address_captured_before_replays_that_gr
 
 def test_a_new_cache_after_the_old_one_is_dropped_replays_without_capturing_again(monkeypatch):
     # generate() makes a new static cache per call; where the caller has dropped the old one, the new one moves
-    # into the storage the capture kept (passes/_bucket_graphs.py, _adopt) instead of a capture (~7 ms on the H200)
-    made = []
-
-    class Counted(torch.cuda.CUDAGraph):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            made.append(self)
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", Counted)
-
-    def step(x, cache, pos):
-        cache.index_copy_(0, pos, x)
-        return cache.sum(0) * 2
-
-    torch._dynamo.reset()
-    f = torch.compile(step, backend="kernelpytorch", options={"cudagraphs": {"decide": "always"}})
+    # into the storage the capture kept (passes/_bucket_graphs.py, _adopt) instead of a capture (milliseconds each)
+    f, made = _compiled_step(monkeypatch)
+    step = _step
     for _ in range(3):
         cache = torch.randn(8, 16, device="cuda")  # the last round's cache is dropped here
         ref = cache.clone()
