@@ -25,12 +25,11 @@ def rank() -> int | None:
     return None
 
 
-def ddp_split() -> list[str]:
-    """Notes for the report when the graph being compiled is a piece of DDPOptimizer's split (read off the calling
-    frames: DDPOptimizer.compile_fn holds the buckets, the whole graph and each node's piece, SubmodCompiler.run_node
-    the piece being compiled), else none: that it is a piece, and each pattern of our passes that the split cut
-    whose first node lies in this piece (so that each cut is said once)."""
-    piece, buckets, partition = None, None, None
+def _split_frames() -> tuple[str | None, int | None, dict | None, object]:
+    """Read off the calling frames while DDPOptimizer compiles a piece: the piece's name (SubmodCompiler.run_node
+    holds it), the number of buckets, each node's piece and the whole graph (DDPOptimizer.compile_fn holds them);
+    Nones outside a split."""
+    piece, buckets, partition, whole = None, None, None, None
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
@@ -41,7 +40,16 @@ def ddp_split() -> list[str]:
             if code.co_name == "compile_fn" and isinstance(local.get("buckets"), list):
                 buckets = len(local["buckets"])
                 partition = local.get("partition_map") if isinstance(local.get("partition_map"), dict) else None
+                whole = local.get("gm")
         frame = frame.f_back
+    return piece, buckets, partition, whole
+
+
+def ddp_split() -> list[str]:
+    """Notes for the report when the graph being compiled is a piece of DDPOptimizer's split: that it is a piece,
+    and each pattern of our passes that the split cut whose first node lies in this piece (so that each cut is
+    said once)."""
+    piece, buckets, partition, _ = _split_frames()
     if piece is None and buckets is None or buckets == 1:  # one bucket: DDPOptimizer passes the graph whole
         return []
     of = f" of {buckets}" if buckets else ""
@@ -94,3 +102,34 @@ def cut_patterns(partition: dict) -> list[tuple[int, str, list[int]]]:
             if len(group) > 1:
                 cut(group, f"{len(group)} parallel linears of {node.name}")
     return found
+
+
+def values_before_cut(node, max_elements: int) -> dict:
+    """In a piece of DDPOptimizer's split, the inputs ``node`` depends on whose values the whole graph computes
+    from no input (a causal mask built in the first piece, which every later layer's piece receives as an
+    input): each such input of the piece and its value, computed in the whole graph. Empty outside a split, or
+    where any input that ``node`` depends on depends on a real input (it then is not known at compile time).
+    The pieces take their inputs from the whole graph's nodes of the same names (``split_module`` names them so)
+    and are called only from the split module, so such an input has this value at every call."""
+    import torch
+    import torch.fx as fx
+
+    from . import torch_ir as ir
+
+    inputs = [n for n in ir.ancestors(node) if n.op == "placeholder"]
+    whole = _split_frames()[3] if inputs else None
+    if not isinstance(whole, fx.GraphModule):
+        return {}
+    by_name = {n.name: n for n in whole.graph.nodes}
+    known = {}
+    for x in inputs:
+        source = by_name.get(x.name)
+        here, there = ir.example_value(x), None if source is None else ir.example_value(source)
+        if source is None or source.op == "placeholder" or not isinstance(here, torch.Tensor) or \
+                not isinstance(there, torch.Tensor) or (here.shape, here.dtype) != (there.shape, there.dtype):
+            return {}
+        value = ir.evaluate(whole, source, max_elements=max_elements)
+        if value is None:
+            return {}
+        known[x] = value
+    return known

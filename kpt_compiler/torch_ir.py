@@ -190,14 +190,17 @@ def depends_on_inputs(node: fx.Node, tensors_only: bool = False) -> bool:
 
 
 def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26,
-             why: list[str] | None = None) -> torch.Tensor | None:
+             why: list[str] | None = None, known: dict[fx.Node, torch.Tensor] | None = None) -> torch.Tensor | None:
     """Compute ``node`` now, when it depends on no input (e.g. a mask built from arange); None otherwise.
 
     Runs the node's ancestors on real tensors outside Dynamo's fake mode. Returns None for values that depend
     on inputs, that are larger than ``max_elements``, or whose computation fails; for the last, the error is
     appended to ``why`` (where given), so the caller can say why a value it expected stayed unknown.
+    ``known``: inputs whose value is known all the same (a DDP piece's input that the whole graph computes from
+    no input: kpt_compiler/distributed.py's ``values_before_cut``).
     """
-    if depends_on_inputs(node):
+    known = known or {}
+    if any(n.op == "placeholder" and n not in known for n in ancestors(node)):
         return None
     val = example_value(node)
     if isinstance(val, torch.Tensor) and (val.numel() > max_elements or not _static(val)):
@@ -207,7 +210,9 @@ def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26,
     try:
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
             for n in ancestors(node):
-                if n.op == "get_attr":
+                if n.op == "placeholder":
+                    env[n] = known[n]
+                elif n.op == "get_attr":
                     env[n] = attr_of(gm, n.target)
                 elif n.op == "call_function":
                     env[n] = n.target(*load(n.args), **load(n.kwargs))

@@ -13,7 +13,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from kpt_compiler import torch_ir as ir
+from kpt_compiler import distributed, torch_ir as ir
 
 from . import _symbolic_masks as symbolic_masks
 
@@ -38,15 +38,18 @@ class MaskForm:
 def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, cache: dict,
               query_len: Any = None) -> MaskForm:
     """``query_len``: the scores' query length (a mask of one query row broadcast over them is not causal)."""
-    allowed, bias, formulas = None, None, []
+    allowed, bias, formulas, split = None, None, [], False
     for how, m, fill in masks:
         why: list[str] = []
         if symbolic_masks.mutated(m):
             return MaskForm("tensor")  # written in place after it was built: what it computes is not its value
         if m not in cache:
-            # up to 2^28 entries: an ALiBi bias [16 heads, 4096, 4096] is fitted too (larger stays a dense mask)
-            cache[m] = ir.evaluate(gm, m, max_elements=1 << 28, why=why)
-        val = cache[m]
+            # up to 2^28 entries: an ALiBi bias [16 heads, 4096, 4096] is fitted too (larger stays a dense mask);
+            # in a piece of DDP's split, a mask that the whole graph built before the cut is known as well
+            known = distributed.values_before_cut(m, 1 << 28)
+            cache[m] = ir.evaluate(gm, m, max_elements=1 << 28, why=why, known=known), bool(known)
+        val, before_cut = cache[m]
+        split = split or before_cut
         if val is None and not why:  # dynamic sizes: what it allows, as a formula in the positions
             formula = symbolic_masks.allowed(m, how, fill)
             if formula is not None:
@@ -78,7 +81,8 @@ def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, c
     coefficients = _linear_bias(bias, allowed, heads) if bias is not None else None
     if bias is not None and coefficients is None:
         return MaskForm("tensor")  # a bias FlexAttention would have to read from memory: SDPA does that
-    form = MaskForm("tensor", bias=coefficients, bias_dtype=bias.dtype if bias is not None else None)
+    form = MaskForm("tensor", bias=coefficients, bias_dtype=bias.dtype if bias is not None else None,
+                    proof=", built before a cut of DDP's split: computed in the whole graph" if split else "")
     if allowed is None or bool(allowed.all()):
         return dataclasses.replace(form, kind="none")
     L, S = allowed.shape[-2:]

@@ -125,7 +125,7 @@ class _Run:
     ctx: PassContext
     how: str  # the decide answer in effect
     order: list | None  # the SDPA backend priority the trace runs under (None: torch's default)
-    masks: dict = dataclasses.field(default_factory=dict)  # mask node -> its value computed at compile time
+    masks: dict = dataclasses.field(default_factory=dict)  # mask node -> (its value at compile time, DDP-cut?)
     contiguous: dict = dataclasses.field(default_factory=dict)  # mask node -> its contiguous copy
 
 
@@ -194,7 +194,7 @@ def _rewrite(run: _Run, a: Attention) -> bool:
     if kind in ("causal", "window"):
         ctx.count(kind)
     detail = {"causal": f"causal (mask proven lower-triangular{form.proof})", "none": "no mask",
-              "window": f"sliding window of {window} (mask proven)",
+              "window": f"sliding window of {window} (mask proven{form.proof})",
               "tensor": "attn_mask " + "+".join(h for h, _, _ in a.masks)}[kind]
     how = "FlexAttention, " if not flex_why else ""
     cap = f"soft-cap {a.softcap:g}, " if a.softcap is not None else ""

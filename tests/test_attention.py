@@ -521,7 +521,7 @@ def test_a_mask_that_cannot_be_computed_at_compile_time_says_why(monkeypatch):
     rewrite keeps it as a dense mask and the report says why (it used to be a silent "not proven")."""
     from kpt_compiler import torch_ir
 
-    def failing(gm, node, max_elements=1 << 26, why=None):
+    def failing(gm, node, max_elements=1 << 26, why=None, known=None):
         why.append("RuntimeError: planted by the test")
         return None
 

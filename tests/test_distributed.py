@@ -75,10 +75,13 @@ def test_the_patterns_a_ddp_split_cuts_are_named_once_with_their_pieces():
     assert cut_patterns(cut_before("linear", 3)) == []
 
 
-def test_a_ddp_piece_names_the_patterns_its_cut_runs_through(tmp_path):
-    """One gloo process: a small Llama's 1 MB DDP buckets end between its gate and up projections; the piece that
-    holds the first of them says so, and only that piece."""
+def _llama_under_ddp(tmp_path, padding: bool = False):
+    """One gloo process: a small Llama (2 layers, fp32) under DDP with 1 MB buckets, compiled with our backend
+    (codegen eager), one forward and backward; with ``padding``, an attention mask that hides the first two
+    tokens of the first sequence. Returns the reports and the gradients of the compiled run and of eager."""
     pytest.importorskip("transformers")  # the zoo's Llama (not in the torch 2.9 + torch_xla environment)
+    import copy
+
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -87,14 +90,62 @@ def test_a_ddp_piece_names_the_patterns_its_cut_runs_through(tmp_path):
     from kpt_compiler.bench import first_tensor
     from kpt_compiler.models.zoo import build
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    net, make = build("llama", attn="eager", n_layer=2, hidden=256, heads=4, kv_heads=2, intermediate=1024)
+    ref = copy.deepcopy(net)
+    ids, = make(2, 16, "cpu")
+    kwargs = {}
+    if padding:
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        kwargs = {"attention_mask": mask}
+    # the loss reads the real positions only, as training on padded batches does: a padded query row, masked
+    # whole, gets other gradients from torch's fused CPU kernel than from eager's softmax (pytorch#133671's kind)
+    real = (kwargs["attention_mask"] if padding else torch.ones_like(ids)).bool()
+
+    def loss(out):
+        return first_tensor(out)[real].float().pow(2).mean()
+
+    kpt_compiler.clear_reports()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'init{int(padding)}'}", rank=0,
+                            world_size=1)
     try:
-        torch.manual_seed(0)
-        net, make = build("llama", attn="eager", n_layer=2, hidden=256, heads=4, kv_heads=2, intermediate=1024)
         compiled = torch.compile(DDP(net, bucket_cap_mb=1), backend="kernelpytorch", options={"codegen": "eager"})
-        first_tensor(compiled(*make(2, 16, "cpu"))).float().pow(2).mean().backward()
+        loss(compiled(ids, **kwargs)).backward()
     finally:
         dist.destroy_process_group()
+    loss(ref(ids, **kwargs)).backward()
+    grads = [(p.grad, q.grad) for p, q in zip(net.parameters(), ref.parameters())]
+    return kpt_compiler.reports(), grads
+
+
+def test_a_causal_mask_built_before_a_ddp_cut_stays_causal_in_the_later_pieces(tmp_path):
+    """The first piece builds Llama's causal mask; the second layer's attention, in a later piece, gets it as an
+    input. The pass computes it in the whole graph (DDPOptimizer's) and proves it causal there too: SDPA with
+    ``is_causal=True`` rather than a dense mask (twice as slow in cuDNN on an H200 under DDP, session 24). The
+    gradients equal eager's. A mask built from an input (padding) stays a dense mask in every piece."""
+    import torch
+
+    reports, grads = _llama_under_ddp(tmp_path)
+    notes = [n for r in reports for n in r.pass_record("attention").summary().get("notes", [])]
+    assert len(reports) > 2 and len(notes) == 2, notes  # one attention per layer, in two pieces
+    assert notes[0].startswith("softmax: causal (mask proven lower-triangular)"), notes
+    assert "causal (mask proven lower-triangular, built before a cut of DDP's split" in notes[1], notes
+    for got, want in grads:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    reports, grads = _llama_under_ddp(tmp_path, padding=True)
+    notes = [n for r in reports for n in r.pass_record("attention").summary().get("notes", [])]
+    assert len(notes) == 2 and all("attn_mask" in n and "causal" not in n for n in notes), notes
+    for got, want in grads:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_a_ddp_piece_names_the_patterns_its_cut_runs_through(tmp_path):
+    """A small Llama's 1 MB DDP buckets end between its gate and up projections; the piece that holds the first
+    of them says so, and only that piece."""
+    import kpt_compiler
+
+    _llama_under_ddp(tmp_path)
     misses = [n for r in kpt_compiler.reports() for n in r.notes if n.startswith("DDP split near miss")]
     assert len(misses) == 2 and all("2 parallel linears of" in n and "no pass sees it whole" in n for n in misses), \
         misses  # gate and up of each layer
