@@ -117,6 +117,13 @@ def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
     return changed
 
 
+# Measured in session 24 (benchmarks/results/nvidia-h200/2026-11-28-s24-sdpa-hidden-rows-f321ea3.txt and the CPU)
+HIDDEN_ROWS = ("a dense mask may hide a query row whole (a padded query): eager's softmax gives such a row the "
+               "average of every key's value, the fused SDPA kernels other values (on CUDA in the forward, on the "
+               "CPU in the gradients); rows it leaves a key are the same, so read only those (as a loss that "
+               "ignores padding does)")
+
+
 @dataclasses.dataclass
 class _Run:
     """One run of the pass over a graph: what every rewrite needs."""
@@ -127,6 +134,7 @@ class _Run:
     order: list | None  # the SDPA backend priority the trace runs under (None: torch's default)
     masks: dict = dataclasses.field(default_factory=dict)  # mask node -> (its value at compile time, DDP-cut?)
     contiguous: dict = dataclasses.field(default_factory=dict)  # mask node -> its contiguous copy
+    hidden_rows_noted: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- rewriting
@@ -202,6 +210,9 @@ def _rewrite(run: _Run, a: Attention) -> bool:
         ctx.count("linear_bias")
         cap += "position bias a*j + b*i + c (ALiBi) as score_mod, "
     ctx.note(f"{a.softmax.name}: {how}{cap}{detail}, scale {a.scale:.4g}, dropout {a.dropout:g}{why}")
+    if kind == "tensor" and not run.hidden_rows_noted:
+        run.hidden_rows_noted = True
+        ctx.note(HIDDEN_ROWS)
     return True
 
 

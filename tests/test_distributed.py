@@ -126,15 +126,20 @@ def test_a_causal_mask_built_before_a_ddp_cut_stays_causal_in_the_later_pieces(t
     gradients equal eager's. A mask built from an input (padding) stays a dense mask in every piece."""
     import torch
 
+    from kpt_compiler.passes.attention import HIDDEN_ROWS
+
     reports, grads = _llama_under_ddp(tmp_path)
     notes = [n for r in reports for n in r.pass_record("attention").summary().get("notes", [])]
     assert len(reports) > 2 and len(notes) == 2, notes  # one attention per layer, in two pieces
     assert notes[0].startswith("softmax: causal (mask proven lower-triangular)"), notes
     assert "causal (mask proven lower-triangular, built before a cut of DDP's split" in notes[1], notes
+    assert HIDDEN_ROWS not in notes
     for got, want in grads:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
     reports, grads = _llama_under_ddp(tmp_path, padding=True)
     notes = [n for r in reports for n in r.pass_record("attention").summary().get("notes", [])]
+    assert notes.count(HIDDEN_ROWS) == 2, notes  # said once in each graph with such a mask
+    notes = [n for n in notes if n != HIDDEN_ROWS]
     assert len(notes) == 2 and all("attn_mask" in n and "causal" not in n for n in notes), notes
     for got, want in grads:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
