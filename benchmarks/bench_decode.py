@@ -128,7 +128,7 @@ def kpt_graphs() -> list[dict]:
     """Per graph compiled by kernelpytorch: the passes that fired, and the cudagraphs pass's status and notes."""
     graphs = []
     for r in kpt_compiler.reports():
-        g = {"graph": r.index, "fired": r.fired()}
+        g = {"graph": r.index, "compile_id": r.compile_id, "fired": r.fired()}  # "frame/recompile" (Dynamo's)
         try:
             cg = r.pass_record("cudagraphs")
         except KeyError:
@@ -232,7 +232,7 @@ def table(record: dict) -> str:
                          f"{r['scored_vs_timed']} from the timed run's tokens")
     for r in record["rows"]:
         for g in r.get("graphs") or []:
-            lines.append(f"\n- {r['mode']} graph {g['graph']}: fired {', '.join(g['fired']) or 'none'}; cudagraphs "
+            lines.append(f"\n- {r['mode']} graph {g['graph']} (Dynamo's compile {g.get('compile_id', '?')}): fired {', '.join(g['fired']) or 'none'}; cudagraphs "
                          f"{g.get('cudagraphs')}: {' / '.join(g.get('cudagraphs_notes') or [])}")
     for r in record["rows"]:
         if "profile" in r:

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+import kpt_compiler
 import kpt_compiler.backend as KB
 from benchmarks.bench_decode import FULL, build_model
 from kpt_compiler.passes import _bucket_graphs as BG
@@ -116,6 +117,10 @@ def measured(label):
 with torch.no_grad():
     for _ in range(2):
         gen(64)
+    # what was compiled (bench_decode compiled two graphs where this compiled five on one H200, session 24):
+    # Dynamo's compile id (frame/recompile) and the passes that fired, per graph of ours
+    print("graphs compiled:", "; ".join(f"{r.compile_id} {','.join(r.fired())}" for r in kpt_compiler.reports()),
+          {k: dict(v) for k, v in torch._dynamo.utils.counters.items() if k in ("frames", "recompiles")})
     measured("")
     measured(" (again)")
     if mode != "eager":
