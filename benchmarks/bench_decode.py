@@ -232,7 +232,8 @@ def table(record: dict) -> str:
                          f"{r['scored_vs_timed']} from the timed run's tokens")
     for r in record["rows"]:
         for g in r.get("graphs") or []:
-            lines.append(f"\n- {r['mode']} graph {g['graph']} (Dynamo's compile {g.get('compile_id', '?')}): fired {', '.join(g['fired']) or 'none'}; cudagraphs "
+            lines.append(f"\n- {r['mode']} graph {g['graph']} (Dynamo's compile {g.get('compile_id', '?')}): fired "
+                         f"{', '.join(g['fired']) or 'none'}; cudagraphs "
                          f"{g.get('cudagraphs')}: {' / '.join(g.get('cudagraphs_notes') or [])}")
     for r in record["rows"]:
         if "profile" in r:

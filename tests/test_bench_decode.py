@@ -80,7 +80,8 @@ def test_generate_host_diag_times_generate_with_and_without_a_forward(tmp_path):
     diag_generate_host.main(["--device", "cpu", "--new-tokens", "4", "--repeats", "1", "--out", str(tmp_path)])
     record = json.load(open(tmp_path / "diag_generate_host.json"))
     assert [r["forward"].split()[0] for r in record["rows"]] == ["tiny", "none"]
-    assert all(len(r["per_token_ms"]) == 1 and r["per_token_ms"][0] > 0 for r in record["rows"])
+    # a difference of two timings (T(new) - T(1)): on a loaded machine one repeat of it may come out negative
+    assert all(len(r["per_token_ms"]) == 1 and math.isfinite(r["per_token_ms"][0]) for r in record["rows"])
     assert "generate()'s own host time" in (tmp_path / "diag_generate_host.md").read_text()
     stub = record["rows"][1]  # its decode steps split around the forward: 3 of 4 tokens are decode steps
     assert stub["steps_split"] == 3 and stub["before_forward_ms"] > 0 and stub["after_forward_ms"] > 0
