@@ -104,14 +104,15 @@ def cut_patterns(partition: dict) -> list[tuple[int, str, list[int]]]:
     return found
 
 
-def values_before_cut(node, max_elements: int) -> dict:
+def values_before_cut(node, max_elements: int, usable=lambda source: True) -> dict:
     """In a piece of DDPOptimizer's split, the inputs ``node`` depends on whose values the whole graph computes
     from no input (a causal mask built in the first piece, which every later layer's piece receives as an
     input): each such input of the piece and its value, computed in the whole graph. Empty outside a split, or
-    where any input that ``node`` depends on depends on a real input (it then is not known at compile time).
-    The pieces take their inputs from the whole graph's nodes of the same names (``split_module`` names them so)
-    and are called only from the split module, so such an input has this value at every call."""
-    import torch
+    where any input that ``node`` depends on depends on a real input (it then is not known at compile time) or
+    is not ``usable`` (the caller's check of the whole graph's node: nothing writes into it, for a mask).
+    An input is matched to the whole graph's node by name and by the example value ``split_module`` copies from
+    that node (its names are not always the node's: it lowercases camelCase, so two nodes may share one); the
+    pieces are called only from the split module, so such an input has this value at every call."""
     import torch.fx as fx
 
     from . import torch_ir as ir
@@ -124,9 +125,8 @@ def values_before_cut(node, max_elements: int) -> dict:
     known = {}
     for x in inputs:
         source = by_name.get(x.name)
-        here, there = ir.example_value(x), None if source is None else ir.example_value(source)
-        if source is None or source.op == "placeholder" or not isinstance(here, torch.Tensor) or \
-                not isinstance(there, torch.Tensor) or (here.shape, here.dtype) != (there.shape, there.dtype):
+        if source is None or source.op == "placeholder" or ir.example_value(x) is not ir.example_value(source) \
+                or not usable(source):
             return {}
         value = ir.evaluate(whole, source, max_elements=max_elements)
         if value is None:

@@ -46,7 +46,7 @@ def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, c
         if m not in cache:
             # up to 2^28 entries: an ALiBi bias [16 heads, 4096, 4096] is fitted too (larger stays a dense mask);
             # in a piece of DDP's split, a mask that the whole graph built before the cut is known as well
-            known = distributed.values_before_cut(m, 1 << 28)
+            known = distributed.values_before_cut(m, 1 << 28, usable=lambda source: not symbolic_masks.mutated(source))
             cache[m] = ir.evaluate(gm, m, max_elements=1 << 28, why=why, known=known), bool(known)
         val, before_cut = cache[m]
         split = split or before_cut

@@ -159,3 +159,109 @@ def test_a_ddp_piece_names_the_patterns_its_cut_runs_through(tmp_path):
         piece = report.notes[0].split("(")[1].split(")")[0]
         assert all(n.startswith(f"DDP split near miss: the cut between {piece} and ") for n in report.notes[1:]), \
             report.notes
+
+
+def _three_layers(forward):
+    """A 3-layer model with hand-written attention over a float mask that ``forward(blocks, x)`` builds and
+    passes (no transformers: runs on torch 2.9 too). Its 1 MB DDP buckets cut it between the layers."""
+    import math
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    D, H = 256, 4
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.o = nn.Linear(D, 3 * D), nn.Linear(D, D)
+            self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+
+        def forward(self, x, mask):
+            B, L, _ = x.shape
+            q, k, v = self.qkv(x).view(B, L, 3, H, D // H).permute(2, 0, 3, 1, 4)
+            s = q @ k.transpose(-2, -1) / math.sqrt(D // H) + mask
+            x = x + self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(B, L, D))
+            return x + self.down(F.gelu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x):
+            return forward(self.blocks, x)
+
+    torch.manual_seed(0)
+    return Net(), torch.randn(2, 16, D)
+
+
+def _causal(blocks, x):
+    import torch
+
+    mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
+    for b in blocks:
+        x = b(x, mask)
+    return x
+
+
+def _written_after_it_was_built(blocks, x):
+    import torch
+
+    mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
+    mask[:, :3] = float("-inf")  # no longer causal: what the pieces receive is this, not the triangle
+    mask[:3, :3] = 0.0
+    for b in blocks:
+        x = b(x, mask)
+    return x
+
+
+def _written_between_the_layers(blocks, x):
+    import torch
+
+    mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
+    for i, b in enumerate(blocks):
+        x = b(x, mask)
+        if i == 0:
+            mask[4:, :2] = float("-inf")  # in a piece with no attention
+    return x
+
+
+def _names_split_module_merges(blocks, x):
+    import torch
+
+    causalMask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)  # noqa: N806 - split_module lowercases it
+    causal_mask = torch.zeros(x.shape[1], x.shape[1])
+    x = blocks[0](x, causal_mask)
+    for b in blocks[1:]:
+        x = b(x, causalMask)
+    return x
+
+
+@pytest.mark.parametrize("forward, causal_pieces", [(_causal, 3), (_written_after_it_was_built, 0),
+                                                    (_written_between_the_layers, 1), (_names_split_module_merges, 0)])
+def test_a_mask_from_before_a_ddp_cut_is_proven_only_where_the_pieces_get_its_value(tmp_path, forward, causal_pieces):
+    """Only a mask the pieces get exactly as the whole graph built it is proven there. Written in place after it
+    was built (in the first piece, or in a piece between the layers), it is not the triangle; and
+    ``split_module`` names a piece's input ``causal_mask`` after a node ``causalMask``, which another node's
+    name may be. Each of these was proven causal wrongly in a review of f321ea3 (outputs off by 0.6 to 1.6)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import kpt_compiler
+
+    net, x = _three_layers(forward)
+    want = net(x)
+    kpt_compiler.clear_reports()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        compiled = torch.compile(DDP(net, bucket_cap_mb=1), backend="kernelpytorch", options={"codegen": "eager"})
+        got = compiled(x)
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    reports = kpt_compiler.reports()
+    notes = [n for r in reports for n in r.pass_record("attention").summary().get("notes", [])]
+    assert len(reports) > 1 and sum(n.startswith("softmax: causal") for n in notes) == causal_pieces, notes
