@@ -32,6 +32,7 @@ and .md (card, date, commit, command). NVLink multicast stays off
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -155,7 +156,7 @@ def _profile(step, spec: dict, mode: str, rank: int) -> dict:
         return {}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if spec["device"] == "cuda" else [])
     t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, _graph_copies() as copies:
         for _ in range(PROFILE_STEPS):
             step()
     wall = (time.perf_counter() - t0) / PROFILE_STEPS
@@ -186,12 +187,47 @@ def _profile(step, spec: dict, mode: str, rank: int) -> dict:
         f.write(f"# device busy {busy_us / 1e3 / PROFILE_STEPS:.2f} ms/step; NCCL with no other kernel beside it "
                 f"{exposed_us / 1e3 / PROFILE_STEPS:.2f} ms/step\n")
         f.write(events.table(sort_by=sort, row_limit=30, max_name_column_width=90))
+        n_copies, n_bytes = (sum(v[i] for v in copies.values()) / PROFILE_STEPS for i in (0, 1))
+        f.write(f"\n# cudagraph trees' input copies per step: {n_copies:g}, {n_bytes / 2**20:.1f} MiB; by graph "
+                "input (copies, MiB):\n")
+        for name, (n, b) in sorted(copies.items(), key=lambda kv: -kv[1][1]):
+            f.write(f"#   {name}: {n / PROFILE_STEPS:g}, {b / 2**20 / PROFILE_STEPS:.2f}\n")
         f.write("\n# every kernel: device ms per step, calls per step, name\n")
         for e in sorted(kernels, key=device_us, reverse=True):
             f.write(f"{device_us(e) / 1e3 / PROFILE_STEPS:9.4f} {e.count / PROFILE_STEPS:7.1f}  {e.key}\n")
     return {"profile_wall_ms": wall * 1e3, "device_ms": total / 1e3 / PROFILE_STEPS,
             "nccl_ms": nccl / 1e3 / PROFILE_STEPS, "busy_ms": busy_us / 1e3 / PROFILE_STEPS,
             "nccl_exposed_ms": exposed_us / 1e3 / PROFILE_STEPS}
+
+
+@contextlib.contextmanager
+def _graph_copies():
+    """Counts what Inductor's cudagraph trees copy into their graphs' static inputs at each replay (the inputs
+    neither static nor made by an earlier graph of the tree): {graph input's name: [copies, bytes]}. Under DDP
+    kpt's pieces made 96 device copies per step and Inductor's 77 (session 24): this says which inputs."""
+    counts: dict = {}
+    try:
+        from torch._inductor import cudagraph_trees as trees
+    except ImportError:
+        yield counts
+        return
+    real = trees.CUDAGraphNode._copy_inputs_and_remove_from_src
+
+    def counted(node, dsts, srcs):
+        names = [getattr(p, "name", "?") for p in getattr(node.wrapped_function, "placeholders", [])]
+        for idx in node.non_static_input_idx:
+            if isinstance(srcs[idx], torch.Tensor):
+                key = names[idx] if idx < len(names) else f"input {idx}"
+                entry = counts.setdefault(key, [0, 0])
+                entry[0] += 1
+                entry[1] += srcs[idx].numel() * srcs[idx].element_size()
+        return real(node, dsts, srcs)
+
+    trees.CUDAGraphNode._copy_inputs_and_remove_from_src = counted
+    try:
+        yield counts
+    finally:
+        trees.CUDAGraphNode._copy_inputs_and_remove_from_src = real
 
 
 def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:

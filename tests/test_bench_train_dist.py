@@ -93,3 +93,26 @@ def test_a_setup_whose_processes_do_not_finish_is_killed_and_says_so():
     with pytest.raises(TimeoutError, match=r"did not finish in 3 s"):
         bench_train_dist.spawn_with_timeout(bench_train_dist._sleep, (600,), 1, 3)
     assert time.monotonic() - start < 60
+
+
+def test_the_profile_counts_what_the_cudagraph_trees_copy_into_their_graphs(monkeypatch):
+    """Per graph input, the copies the trees make before a replay (the inputs not static, not an earlier
+    graph's output), and the method is put back afterwards."""
+    import types
+
+    import torch
+    from torch._inductor import cudagraph_trees as trees
+
+    calls = []
+    monkeypatch.setattr(trees.CUDAGraphNode, "_copy_inputs_and_remove_from_src",
+                        lambda node, dsts, srcs: calls.append(len(srcs)))
+    before = trees.CUDAGraphNode._copy_inputs_and_remove_from_src
+    node = types.SimpleNamespace(non_static_input_idx=[0, 2],
+                                 wrapped_function=types.SimpleNamespace(placeholders=[
+                                     types.SimpleNamespace(name=n) for n in ("tangents_1", "primals_3", "mask")]))
+    with bench_train_dist._graph_copies() as copies:
+        for _ in range(2):
+            trees.CUDAGraphNode._copy_inputs_and_remove_from_src(
+                node, [None] * 3, [torch.ones(4, 8), torch.ones(1), torch.ones(2, dtype=torch.bfloat16)])
+    assert copies == {"tangents_1": [2, 2 * 128], "mask": [2, 2 * 4]}, copies  # primals_3 is static
+    assert calls == [3, 3] and trees.CUDAGraphNode._copy_inputs_and_remove_from_src is before
