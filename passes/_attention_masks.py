@@ -30,6 +30,8 @@ class MaskForm:
     bias: tuple[tuple[float, float, float], ...] | None = None
     bias_dtype: torch.dtype | None = None
     failed: str | None = None  # why a mask that depends on no input could not be computed at compile time
+    # whether a query row may be hidden whole (where fused kernels and eager's softmax differ): unknown is True
+    hides_rows: bool = True
     # how it was read: "" computed at the sizes of the trace; " for every size" read as a formula in the
     # positions (dynamic sizes)
     proof: str = ""
@@ -78,16 +80,18 @@ def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, c
         formula = sympy.And(*formulas)
         kind = "none" if formula == sympy.true else "causal" if symbolic_masks.is_causal(formula) else "tensor"
         return MaskForm(kind, proof=" for every size")
+    hides = allowed is not None and not bool(allowed.any(-1).all())  # computed: known for every row
     coefficients = _linear_bias(bias, allowed, heads) if bias is not None else None
     if bias is not None and coefficients is None:
-        return MaskForm("tensor")  # a bias FlexAttention would have to read from memory: SDPA does that
+        return MaskForm("tensor", hides_rows=hides)  # a bias FlexAttention would have to read from memory: SDPA does
     form = MaskForm("tensor", bias=coefficients, bias_dtype=bias.dtype if bias is not None else None,
-                    proof=", built before a cut of DDP's split: computed in the whole graph" if split else "")
+                    proof=", built before a cut of DDP's split: computed in the whole graph" if split else "",
+                    hides_rows=hides)
     if allowed is None or bool(allowed.all()):
         return dataclasses.replace(form, kind="none")
     L, S = allowed.shape[-2:]
     if query_len is not None and not (isinstance(query_len, int) and L == query_len):
-        return MaskForm("tensor")  # broadcast over the queries (or sized otherwise): no triangle
+        return MaskForm("tensor", hides_rows=hides)  # broadcast over the queries (or sized otherwise): no triangle
     i = torch.arange(L, device=allowed.device)[:, None]
     j = torch.arange(S, device=allowed.device)[None, :]
     if bool((allowed == (j <= i)).all()):
@@ -95,7 +99,7 @@ def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, c
     window = int(allowed[..., -1, :].sum(-1).max())  # the last row sees the whole window
     if L == S and bool((allowed == ((j <= i) & (i - j < window))).all()):
         return dataclasses.replace(form, kind="window", window=window)
-    return MaskForm("tensor")
+    return MaskForm("tensor", hides_rows=hides)
 
 
 def _linear_bias(bias: torch.Tensor, allowed: torch.Tensor | None, heads: int):

@@ -210,7 +210,7 @@ def _rewrite(run: _Run, a: Attention) -> bool:
         ctx.count("linear_bias")
         cap += "position bias a*j + b*i + c (ALiBi) as score_mod, "
     ctx.note(f"{a.softmax.name}: {how}{cap}{detail}, scale {a.scale:.4g}, dropout {a.dropout:g}{why}")
-    if kind == "tensor" and not run.hidden_rows_noted:
+    if kind == "tensor" and form.hides_rows and not run.hidden_rows_noted:
         run.hidden_rows_noted = True
         ctx.note(HIDDEN_ROWS)
     return True

@@ -551,3 +551,30 @@ def test_evaluate_says_why_it_could_not():
     node.meta["example_value"] = torch.empty(3)
     why = []
     assert torch_ir.evaluate(gm, node, why=why) is None and why == ["RuntimeError: no kernel for this"]
+
+
+def test_the_report_warns_of_query_rows_hidden_whole_only_where_a_row_may_be():
+    """Where a dense mask hides a query row whole, the fused kernels and eager's softmax give that row different
+    values (session 24): said once per graph where the mask comes from an input or hides a row, not where a mask
+    computed at compile time leaves every row a key."""
+    from kpt_compiler.passes.attention import HIDDEN_ROWS
+
+    pad = torch.zeros(B, 1, 1, L)
+    pad[1, ..., -3:] = torch.finfo(torch.float32).min
+    rec = _check(lambda q, k, v, m: F.softmax(q @ k.transpose(-1, -2) * 0.25 + m, dim=-1) @ v, extra=(pad,))
+    assert rec.notes.count(HIDDEN_ROWS) == 1, rec.notes
+
+    def upper(q, k, v):  # every row keeps its diagonal: not causal, a dense mask, no row hidden
+        keep = torch.ones(L, L, dtype=torch.bool).triu()
+        return F.softmax((q @ k.transpose(-2, -1) * 0.25).masked_fill(~keep, float("-inf")), -1) @ v
+
+    rec = _check(upper, causal=0)
+    assert "attn_mask" in rec.notes[0] and HIDDEN_ROWS not in rec.notes, rec.notes
+
+    def first_row_hidden(q, k, v):
+        m = torch.zeros(L, L)
+        m[0] = torch.finfo(torch.float32).min
+        return F.softmax(q @ k.transpose(-2, -1) * 0.25 + m, -1) @ v
+
+    rec = _check(first_row_hidden, causal=0, train=False)  # the CPU's fused backward differs on that row
+    assert rec.notes.count(HIDDEN_ROWS) == 1, rec.notes
