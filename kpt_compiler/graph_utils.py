@@ -8,6 +8,7 @@ import collections
 import copy
 import dataclasses
 import difflib
+import operator
 from typing import Any, Callable
 
 import torch
@@ -124,7 +125,7 @@ def drop_unused(graph: fx.Graph, only: Callable[[fx.Node], bool] = lambda n: Tru
         for node in reversed(list(graph.nodes)):
             if node.users or node.op not in ("call_function", "call_method") or node.is_impure():
                 continue
-            if node.op == "call_method" and str(node.target).endswith("_") or not only(node):
+            if written(node) or not only(node):  # fx does not see torch._foreach_add_ and the like as impure
                 continue
             graph.erase_node(node)
             changed = True
@@ -294,3 +295,35 @@ def diff_of_graphs(class_name: str, attrs: dict[str, Any], before: fx.Graph, aft
         return unified_diff(*codes, *names)
     except Exception as e:  # noqa: BLE001 - the report still prints
         return f"(the diff could not be made after the compile: {type(e).__name__}: {e}; set dump_dir to keep it)"
+
+
+_INPLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.iand, operator.ior,
+            operator.ixor, operator.ilshift, operator.irshift, operator.itruediv, operator.ifloordiv, operator.imod}
+
+
+def _nodes(value: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, found.append)  # every node inside lists, tuples and dicts too
+    return found
+
+
+def written(n: fx.Node) -> list[fx.Node]:
+    """The nodes ``n`` writes into: in-place methods and functions, ``setitem``, ``out=``, ATen overloads whose
+    schema writes an argument, foreach lists (conservatively: an op that may write writes its first argument and
+    ``out=``)."""
+    target = n.target
+    if isinstance(target, torch._ops.OpOverload):
+        out = []
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                out += _nodes(n.args[i] if i < len(n.args) else n.kwargs.get(arg.name))
+        return out
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        writes = any(getattr(target, o)._schema.is_mutable for o in target.overloads())
+    else:
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        # a trailing underscore means in place, except in operator's names (and_, or_: not in place)
+        trailing = name.endswith("_") and not name.endswith("__") and \
+            getattr(target, "__module__", None) not in ("_operator", "operator")
+        writes = target in _INPLACE or trailing or "out" in n.kwargs
+    return _nodes(n.args[:1]) + _nodes(n.kwargs.get("out")) if writes else []

@@ -9,6 +9,7 @@ keeps them), and ``evaluate`` runs a part of the graph that depends on no input 
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable
 
@@ -202,6 +203,11 @@ def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26,
     known = known or {}
     if any(n.op == "placeholder" and n not in known for n in ancestors(node)):
         return None
+    drawn = [n for n in ancestors(node) if n.op in ("call_function", "call_method") and _drawn(n.target)]
+    if drawn:  # computed once here, it would be one sample of what each call draws
+        if why is not None:
+            why.append(f"{drawn[0].name} draws new values at each call (random numbers or uninitialized memory)")
+        return None
     val = example_value(node)
     if isinstance(val, torch.Tensor) and (val.numel() > max_elements or not _static(val)):
         return None
@@ -227,6 +233,32 @@ def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26,
         return None
     out = env[node]
     return out if isinstance(out, torch.Tensor) else None
+
+
+_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                            "empty_permuted"})
+
+
+def _drawn(target: Any) -> bool:
+    """An op whose values are new at each call: random (ATen's ``nondeterministic_seeded`` tag, looked up by name
+    for torch functions and methods: ``torch.rand``, ``F.dropout``, ``Tensor.uniform_``) or uninitialized memory."""
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags or \
+            target._schema.name.split("::")[-1] in _UNINITIALIZED
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        name = target._qualified_op_name.split("::")[-1]
+    else:
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return isinstance(name, str) and _drawn_name(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _drawn_name(name: str) -> bool:
+    if name in _UNINITIALIZED:
+        return True
+    packet = getattr(torch.ops.aten, name, None)
+    return isinstance(packet, torch._ops.OpOverloadPacket) and any(
+        torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads())
 
 
 def _static(t: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from kpt_compiler import torch_ir as ir
+from kpt_compiler import graph_utils, torch_ir as ir
 
 
 class _Unknown(Exception):
@@ -287,28 +287,15 @@ class _Interp:
         return SV(shape, later, kind)
 
 
-_INPLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.iand, operator.ior,
-            operator.ixor, operator.ilshift, operator.irshift, operator.itruediv, operator.ifloordiv, operator.imod}
-
-
 def mutated(node: fx.Node) -> bool:
     """Some op in the graph writes into ``node`` or a tensor it is computed from (or a view of one): an
-    in-place method or function, ``setitem``, or ``out=``. Its values are then not what its ancestors say."""
+    in-place method or function, ``setitem``, ``out=``, an ATen overload whose schema writes an argument
+    (``aten.fill_.Scalar``), or a foreach op's list. Its values are then not what its ancestors say."""
     mine = set(ir.ancestors(node))
     for n in node.graph.nodes:
-        if n.op not in ("call_function", "call_method"):
-            continue
-        name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
-        # a trailing underscore means in place, except in operator's names (and_, or_: not in place)
-        trailing = name.endswith("_") and not name.endswith("__") and \
-            getattr(n.target, "__module__", None) not in ("_operator", "operator")
-        writes = n.target in _INPLACE or trailing or "out" in n.kwargs
-        if not writes:
-            continue
-        targets = [a for a in (n.args[:1] + tuple(v for k, v in n.kwargs.items() if k == "out"))
-                   if isinstance(a, fx.Node)]
-        if any(t in mine or mine & set(ir.ancestors(t)) for t in targets):
-            return True
+        if n.op in ("call_function", "call_method"):
+            if any(t in mine or mine & set(ir.ancestors(t)) for t in graph_utils.written(n)):
+                return True
     return False
 
 

@@ -239,13 +239,59 @@ def _names_split_module_merges(blocks, x):
     return x
 
 
-@pytest.mark.parametrize("forward, causal_pieces", [(_causal, 3), (_written_after_it_was_built, 0),
-                                                    (_written_between_the_layers, 1), (_names_split_module_merges, 0)])
+def _aten_fill_between_the_layers(blocks, x):
+    import torch
+
+    mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
+    for i, b in enumerate(blocks):
+        x = b(x, mask)
+        if i == 0:
+            torch.ops.aten.fill_.Scalar(mask[4:, :2], float("-inf"))  # named "fill_.Scalar": no trailing "_"
+    return x
+
+
+def _aten_masked_fill_after_it_was_built(blocks, x):
+    import torch
+
+    mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
+    torch.ops.aten.masked_fill_.Scalar(mask, torch.ones_like(mask, dtype=torch.bool).tril(-4), float("-inf"))
+    for b in blocks:
+        x = b(x, mask)
+    return x
+
+
+def _foreach_between_the_layers(blocks, x):
+    import torch
+
+    mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
+    for i, b in enumerate(blocks):
+        x = b(x, mask)
+        if i == 0:
+            torch._foreach_add_([mask], [torch.full_like(mask, -1e38).tril(-4)])  # a list argument
+    return x
+
+
+def _random_mask(blocks, x):
+    import torch
+
+    keep = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril() & (torch.rand(x.shape[1], x.shape[1]) > 0.02)
+    mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    for b in blocks:
+        x = b(x, mask)
+    return x
+
+
+@pytest.mark.parametrize("forward, causal_pieces", [
+    (_causal, 3), (_written_after_it_was_built, 0), (_written_between_the_layers, 1), (_names_split_module_merges, 0),
+    (_aten_fill_between_the_layers, 1), (_aten_masked_fill_after_it_was_built, 0), (_foreach_between_the_layers, 1),
+    (_random_mask, 0)])
 def test_a_mask_from_before_a_ddp_cut_is_proven_only_where_the_pieces_get_its_value(tmp_path, forward, causal_pieces):
     """Only a mask the pieces get exactly as the whole graph built it is proven there. Written in place after it
-    was built (in the first piece, or in a piece between the layers), it is not the triangle; and
-    ``split_module`` names a piece's input ``causal_mask`` after a node ``causalMask``, which another node's
-    name may be. Each of these was proven causal wrongly in a review of f321ea3 (outputs off by 0.6 to 1.6)."""
+    was built (in the first piece, or in a piece between the layers; by a method, an ATen overload or a foreach
+    op), it is not the triangle; ``split_module`` names a piece's input ``causal_mask`` after a node
+    ``causalMask``, which another node's name may be; a random mask is drawn at each call. Each of these was
+    proven causal wrongly in the reviews of f321ea3 and 1c567b0 (outputs off by 0.4 to 1.6; the foreach write was
+    also dropped as dead code by the pipeline, with or without DDP)."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -253,15 +299,36 @@ def test_a_mask_from_before_a_ddp_cut_is_proven_only_where_the_pieces_get_its_va
     import kpt_compiler
 
     net, x = _three_layers(forward)
+    torch.manual_seed(1)  # the random mask's draw
     want = net(x)
     kpt_compiler.clear_reports()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         compiled = torch.compile(DDP(net, bucket_cap_mb=1), backend="kernelpytorch", options={"codegen": "eager"})
+        torch.manual_seed(1)
         got = compiled(x)
+        torch.manual_seed(2)  # a second call draws another random mask: the compiled code must too
+        again, want_again = compiled(x), (torch.manual_seed(2), net(x))[1]
     finally:
         dist.destroy_process_group()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, want_again, rtol=1e-5, atol=1e-5)
     reports = kpt_compiler.reports()
     notes = [n for r in reports for n in r.pass_record("attention").summary().get("notes", [])]
     assert len(reports) > 1 and sum(n.startswith("softmax: causal") for n in notes) == causal_pieces, notes
+
+
+@pytest.mark.parametrize("forward", [_written_between_the_layers, _aten_fill_between_the_layers,
+                                     _aten_masked_fill_after_it_was_built, _foreach_between_the_layers, _random_mask])
+def test_the_same_masks_in_one_graph_give_eager_s_output(forward):
+    """Without DDP, in one graph: the same writes and draws (the foreach write into the mask used to be erased as
+    dead code by the pipeline; an ATen overload's write and a random draw were proven from the build)."""
+    import torch
+
+    net, x = _three_layers(forward)
+    compiled = torch.compile(net, backend="kernelpytorch", options={"codegen": "eager"})
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        want = net(x)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
