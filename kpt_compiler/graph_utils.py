@@ -325,5 +325,6 @@ def written(n: fx.Node) -> list[fx.Node]:
         # a trailing underscore means in place, except in operator's names (and_, or_: not in place)
         trailing = name.endswith("_") and not name.endswith("__") and \
             getattr(target, "__module__", None) not in ("_operator", "operator")
-        writes = target in _INPLACE or trailing or "out" in n.kwargs
+        first = target in _INPLACE or trailing and name != "requires_grad_"  # that one sets a flag
+        return (_nodes(n.args[:1]) if first else []) + _nodes(n.kwargs.get("out"))
     return _nodes(n.args[:1]) + _nodes(n.kwargs.get("out")) if writes else []

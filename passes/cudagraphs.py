@@ -45,7 +45,7 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.fx as fx
 
-from kpt_compiler import torch_ir as ir
+from kpt_compiler import graph_utils, torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
 from ._bucket_graphs import own_capture, per_bucket
@@ -199,16 +199,13 @@ def _mutated_inputs(gm: fx.GraphModule) -> frozenset[int]:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     written = set()
     for node in gm.graph.nodes:
-        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
-        if node.op not in ("call_method", "call_function") or not node.args or not isinstance(node.args[0], fx.Node):
+        if node.op not in ("call_method", "call_function"):
             continue
-        if not (name.endswith("_") and not name.startswith("_") or node.target is operator.setitem):
-            continue
-        base = node.args[0]
-        while base.op != "placeholder" and _is_view(base) and base.args and isinstance(base.args[0], fx.Node):
-            base = base.args[0]
-        if base.op == "placeholder":
-            written.add(placeholders.index(base))
+        for base in graph_utils.written(node):  # methods, setitem, out=, ATen overloads, foreach lists
+            while base.op != "placeholder" and _is_view(base) and base.args and isinstance(base.args[0], fx.Node):
+                base = base.args[0]
+            if base.op == "placeholder":
+                written.add(placeholders.index(base))
     return frozenset(written)
 
 

@@ -300,6 +300,22 @@ def test_inputs_written_in_place_are_found_through_views():
     assert not cg._mutated_inputs(_graph(lambda a, b: a + b, torch.ones(2), torch.ones(2)))
 
 
+def test_inputs_written_by_aten_overloads_foreach_ops_and_out_are_found():
+    """Writes the name check missed (a second review, session 24): an ATen overload (``fill_.Scalar``, no
+    trailing underscore), a foreach op's list (``_foreach_add_``, a leading one) and ``out=``. A missed write
+    would be made into our capture's copy of the input, not into the caller's tensor."""
+    def step(x, a, b, c, d):
+        torch.ops.aten.fill_.Scalar(a[:1], 0.0)
+        torch._foreach_add_([b], [x])
+        torch.add(x, 1, out=c)
+        d.requires_grad_(False)  # a flag, not a write
+        return x * 2
+
+    gm = _graph(step, *(torch.zeros(4, 8) for _ in range(5)))
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    assert {names[i] for i in cg._mutated_inputs(gm)} == {"l_a_", "l_b_", "l_c_"}, names
+
+
 class _FakeGraph:
     def replay(self):
         pass
