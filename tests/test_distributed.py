@@ -217,17 +217,6 @@ def _written_after_it_was_built(blocks, x):
     return x
 
 
-def _written_between_the_layers(blocks, x):
-    import torch
-
-    mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
-    for i, b in enumerate(blocks):
-        x = b(x, mask)
-        if i == 0:
-            mask[4:, :2] = float("-inf")  # in a piece with no attention
-    return x
-
-
 def _names_split_module_merges(blocks, x):
     import torch
 
@@ -236,17 +225,6 @@ def _names_split_module_merges(blocks, x):
     x = blocks[0](x, causal_mask)
     for b in blocks[1:]:
         x = b(x, causalMask)
-    return x
-
-
-def _aten_fill_between_the_layers(blocks, x):
-    import torch
-
-    mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
-    for i, b in enumerate(blocks):
-        x = b(x, mask)
-        if i == 0:
-            torch.ops.aten.fill_.Scalar(mask[4:, :2], float("-inf"))  # named "fill_.Scalar": no trailing "_"
     return x
 
 
@@ -260,15 +238,41 @@ def _aten_masked_fill_after_it_was_built(blocks, x):
     return x
 
 
-def _foreach_between_the_layers(blocks, x):
+def _between_the_layers(write):
+    """A causal mask that ``write`` changes in place after the first layer (in a piece with no attention)."""
+    def forward(blocks, x):
+        import torch
+
+        mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
+        for i, b in enumerate(blocks):
+            x = b(x, mask)
+            if i == 0:
+                write(mask)
+        return x
+
+    forward.__name__ = f"_{write.__name__}_between_the_layers"
+    return forward
+
+
+def _setitem(mask):
+    mask[4:, :2] = float("-inf")
+
+
+def _aten_fill(mask):
     import torch
 
-    mask = torch.full((x.shape[1],) * 2, float("-inf")).triu(1)
-    for i, b in enumerate(blocks):
-        x = b(x, mask)
-        if i == 0:
-            torch._foreach_add_([mask], [torch.full_like(mask, -1e38).tril(-4)])  # a list argument
-    return x
+    torch.ops.aten.fill_.Scalar(mask[4:, :2], float("-inf"))  # named "fill_.Scalar": no trailing "_"
+
+
+def _foreach_add(mask):
+    import torch
+
+    torch._foreach_add_([mask], [torch.full_like(mask, -1e38).tril(-4)])  # a list argument
+
+
+_written_between_the_layers = _between_the_layers(_setitem)
+_aten_fill_between_the_layers = _between_the_layers(_aten_fill)
+_foreach_between_the_layers = _between_the_layers(_foreach_add)
 
 
 def _random_mask(blocks, x):
