@@ -200,10 +200,10 @@ def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26,
     ``known``: inputs whose value is known all the same (a DDP piece's input that the whole graph computes from
     no input: kpt_compiler/distributed.py's ``values_before_cut``).
     """
-    known = known or {}
-    if any(n.op == "placeholder" and n not in known for n in ancestors(node)):
+    known, chain = known or {}, ancestors(node)
+    if any(n.op == "placeholder" and n not in known for n in chain):
         return None
-    drawn = [n for n in ancestors(node) if n.op in ("call_function", "call_method") and _drawn(n.target)]
+    drawn = [n for n in chain if n.op in ("call_function", "call_method") and _drawn(n.target)]
     if drawn:  # computed once here, it would be one sample of what each call draws
         if why is not None:
             why.append(f"{drawn[0].name} draws new values at each call (random numbers or uninitialized memory)")
@@ -215,7 +215,7 @@ def evaluate(gm: fx.GraphModule, node: fx.Node, max_elements: int = 1 << 26,
     load = lambda a: fx.node.map_arg(a, lambda n: env[n])  # noqa: E731
     try:
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
-            for n in ancestors(node):
+            for n in chain:
                 if n.op == "placeholder":
                     env[n] = known[n]
                 elif n.op == "get_attr":
