@@ -16,6 +16,7 @@ on a real step it overlaps the device's work, up to the sync), medians over the 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -92,7 +93,10 @@ def main(argv: list[str] | None = None) -> None:
     rows.append({"forward": "tiny eager Llama (2 layers, hidden 64)", "per_token_ms": real})
     logits = torch.zeros(1, 1, TINY["vocab_size"], device=args.device, dtype=dtype)
 
-    def stub(*_args, **_kwargs):  # what generate reads of a forward: the last position's logits
+    # what generate reads of a forward: the last position's logits. The forward's signature kept: generate() reads
+    # it to decide which inputs to prepare (attention mask, position ids, logits_to_keep)
+    @functools.wraps(model.forward)
+    def stub(*_args, **_kwargs):
         return CausalLMOutputWithPast(logits=logits)
 
     model.forward = stub
