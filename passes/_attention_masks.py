@@ -7,7 +7,7 @@ rewrites by the answer (drop the mask, ``is_causal=True``, a FlexAttention block
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -35,11 +35,25 @@ class MaskForm:
     # how it was read: "" computed at the sizes of the trace; " for every size" read as a formula in the
     # positions (dynamic sizes)
     proof: str = ""
+    # the graph inputs (placeholder -> value) the form was read from: marked tensors of an earlier graph of ours
+    relies_on: dict | None = None
 
 
 def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, cache: dict,
-              query_len: Any = None) -> MaskForm:
-    """``query_len``: the scores' query length (a mask of one query row broadcast over them is not causal)."""
+              query_len: Any = None, marked: Callable[[fx.Node], dict] | None = None) -> MaskForm:
+    """``query_len``: the scores' query length (a mask of one query row broadcast over them is not causal).
+    ``marked``: the inputs a mask depends on whose values an earlier graph of ours computed from no input, with
+    those values (passes/_mask_provenance.py); a form read from them has ``relies_on`` set, and holds only for
+    calls that pass those tensors."""
+    form = _mask_kind(gm, masks, dtype, heads, cache, query_len, marked)
+    relied = {x: v for _, m, _ in masks if m in cache for x, v in cache[m][2].items()}
+    if relied and (form.kind != "tensor" or form.bias is not None):
+        form.relies_on = relied
+        form.proof += ", built by an earlier graph of ours (each call checks it is that tensor)"
+    return form
+
+
+def _mask_kind(gm, masks, dtype, heads, cache, query_len, marked) -> MaskForm:
     allowed, bias, formulas, split = None, None, [], False
     for how, m, fill in masks:
         why: list[str] = []
@@ -49,8 +63,10 @@ def mask_kind(gm: fx.GraphModule, masks: list, dtype: torch.dtype, heads: int, c
             # up to 2^28 entries: an ALiBi bias [16 heads, 4096, 4096] is fitted too (larger stays a dense mask);
             # in a piece of DDP's split, a mask that the whole graph built before the cut is known as well
             known = distributed.values_before_cut(m, 1 << 28, usable=lambda source: not symbolic_masks.mutated(source))
-            cache[m] = ir.evaluate(gm, m, max_elements=1 << 28, why=why, known=known), bool(known)
-        val, before_cut = cache[m]
+            from_marks = marked(m) if marked is not None and not known else {}
+            cache[m] = ir.evaluate(gm, m, max_elements=1 << 28, why=why, known=known or from_marks), bool(known), \
+                from_marks
+        val, before_cut, _ = cache[m]
         split = split or before_cut
         if val is None and not why:  # dynamic sizes: what it allows, as a formula in the positions
             formula = symbolic_masks.allowed(m, how, fill)

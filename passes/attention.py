@@ -50,7 +50,7 @@ from kpt_compiler import torch_ir as ir
 from kpt_compiler.graph_utils import drop_unused
 from kpt_compiler.registry import PassContext, graph_pass
 
-from . import _attention_gate as gate
+from . import _attention_gate as gate, _mask_provenance as provenance, _symbolic_masks as symbolic_masks
 from ._attention_gate import Call
 from ._attention_masks import mask_kind
 from ._attention_match import Attention, Miss, match, scalar
@@ -111,6 +111,11 @@ def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
         # what only the old masks used (not a user's runtime check on the sizes: torch._check is no FX effect)
         drop_unused(gm.graph, only=lambda n: not ir.depends_on_inputs(n, tensors_only=True)
                     and not getattr(n.target, "__name__", "").startswith(("_check", "_assert")))
+    found = provenance.constant_outputs(gm)  # masks a later graph may receive (FSDP2 breaks the graph per block)
+    if found:
+        ctx.wrap_built(provenance.tag_outputs(found))
+        ctx.note(f"output(s) {[i for i, _ in found]} computed from no input: marked at each call, for the attention "
+                 "of later graphs that receive them")
     if run.order is not None and any(ir.kind(n) == "sdpa" for n in gm.graph.nodes):
         ctx.note("SDPA backends, in priority order: " + ", ".join(b.name.lower() for b in run.order))
         ctx.during_aot(lambda: _sdpa_priority(run.order))
@@ -132,9 +137,17 @@ class _Run:
     ctx: PassContext
     how: str  # the decide answer in effect
     order: list | None  # the SDPA backend priority the trace runs under (None: torch's default)
-    masks: dict = dataclasses.field(default_factory=dict)  # mask node -> (its value at compile time, DDP-cut?)
+    # mask node -> (its value at compile time, DDP-cut?, the marked inputs it was computed from)
+    masks: dict = dataclasses.field(default_factory=dict)
     contiguous: dict = dataclasses.field(default_factory=dict)  # mask node -> its contiguous copy
     hidden_rows_noted: bool = False
+    guard: provenance.Guard | None = None  # rewrites read from marked inputs hold for calls that pass them
+
+    def marked(self, mask: fx.Node) -> dict:
+        return provenance.known_inputs(mask, self.ctx, usable=lambda x: not symbolic_masks.mutated(x))
+
+    def rely(self, form, done: bool) -> None:
+        provenance.rely(self, form, done)
 
 
 # ---------------------------------------------------------------------------------------------- rewriting
@@ -164,7 +177,8 @@ def _rewrite(run: _Run, a: Attention) -> bool:
     gm, ctx, graph = run.gm, run.ctx, run.gm.graph
     dtype = ir.example_value(a.q).dtype
     scores = ir.example_value(a.softmax).shape
-    form = mask_kind(gm, a.masks, dtype, scores[-3], run.masks, query_len=scores[-2])
+    form = mask_kind(gm, a.masks, dtype, scores[-3], run.masks, query_len=scores[-2], marked=run.marked)
+    run.rely(form, done=False)
     if form.failed:
         ctx.note(f"{a.softmax.name}: the mask depends on no input but could not be computed at compile time, so "
                  f"it stays a dense mask (not proven causal): {form.failed}")
@@ -193,6 +207,7 @@ def _rewrite(run: _Run, a: Attention) -> bool:
             if fused is None:
                 return False
     a.out.replace_all_uses_with(fused)
+    run.rely(form, done=True)
     for node in reversed(a.chain):
         if not node.users:
             graph.erase_node(node)
@@ -314,9 +329,11 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
         return False
     qv, mv = ir.example_value(q), ir.example_value(mask)
     planned, found = Call(q, k, v, mask, float(dropout), causal, scale, gqa), "a mask from the inputs (kept exact)"
-    if not ir.depends_on_inputs(mask, tensors_only=True):
+    form = None
+    if not ir.depends_on_inputs(mask, tensors_only=True) or run.marked(mask):
         masks = [("keep", mask, -math.inf)] if mv.dtype == torch.bool else [("add", mask, None)]
-        form = mask_kind(gm, masks, qv.dtype, qv.shape[-3], run.masks, query_len=qv.shape[-2])
+        form = mask_kind(gm, masks, qv.dtype, qv.shape[-3], run.masks, query_len=qv.shape[-2], marked=run.marked)
+        run.rely(form, done=False)
         if form.failed:
             ctx.note(f"{node.name}: the mask depends on no input but could not be computed at compile time: "
                      f"{form.failed}")
@@ -331,6 +348,7 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
                 with gm.graph.inserting_before(node):
                     fused = _emit_flex(gm.graph, q, k, v, scale if scale is not None else qv.shape[-1] ** -0.5,
                                        None, form.kind, form.window, form, node)
+                run.rely(form, done=True)
                 return _replace(run, node, fused, f"FlexAttention for the constant mask ({form.kind}"
                                                   f"{', position bias' if form.bias else ''})", form.kind)
             found = f"a constant {form.kind} mask FlexAttention cannot take {flex_why} (kept dense)"
@@ -343,6 +361,8 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
         fused, why = _gated_sdpa(run, node, planned, original, set(gm.graph.nodes))
     if fused is None:
         return False
+    if form is not None and planned.mask is not mask:
+        run.rely(form, done=True)
     return _replace(run, node, fused, found + why, "causal" if planned.causal and not original.causal else None)
 
 
