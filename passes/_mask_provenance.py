@@ -40,6 +40,9 @@ def digest(value: torch.Tensor) -> str:
 
 
 def mark(t: torch.Tensor, key: str) -> None:
+    """Mark ``t`` (not an inference tensor: those keep no version, so a write into one would go unseen)."""
+    if t.is_inference():
+        return
     k = id(t)
 
     def forget(ref: weakref.ref, k: int = k) -> None:
@@ -51,7 +54,7 @@ def mark(t: torch.Tensor, key: str) -> None:
 def mark_of(t: Any) -> str | None:
     """The digest ``t`` was marked with, if it is the tensor marked and nothing wrote into it since; else None."""
     entry = _MARKED.get(id(t))
-    if entry is None or entry[0]() is not t or t._version != entry[1]:
+    if entry is None or entry[0]() is not t or t.is_inference() or t._version != entry[1]:
         return None
     return entry[2]
 
@@ -86,7 +89,10 @@ def tag_outputs(found: list[tuple[int, str]]) -> Callable[[Callable, list[str]],
             flat = out if isinstance(out, (list, tuple)) else (out,)
             for i, key in found:
                 if i < len(flat) and isinstance(flat[i], torch.Tensor):
-                    mark(flat[i], key)
+                    try:
+                        mark(flat[i], key)
+                    except Exception:  # unmarked, the later graph's check fails over to the graph as it was
+                        pass
             return out
         return call
     return wrap

@@ -101,6 +101,17 @@ def test_a_mask_written_after_it_was_built_is_not_taken_from_its_mark():
     assert not any("built by an earlier graph of ours" in n for n in attention_notes())
 
 
+def test_under_inference_mode_nothing_is_marked():
+    """Inference tensors keep no version (a write into one would go unseen): the mask stays a dense input."""
+    fn = model()
+    c = compiled(fn)
+    q, k, v = qkv()
+    with torch.inference_mode():
+        out = c(q, k, v)
+        torch.testing.assert_close(out, fn(q, k, v))
+    assert not any("built by an earlier graph of ours" in n for n in attention_notes())
+
+
 def test_marks_follow_the_tensor_and_its_version():
     t = causal_mask(4)
     provenance.mark(t, "key")
