@@ -19,6 +19,7 @@ attribute on the tensor), dropped when the tensor goes.
 from __future__ import annotations
 
 import hashlib
+import logging
 import weakref
 from typing import Any, Callable, Sequence
 
@@ -30,6 +31,7 @@ from kpt_compiler import graph_utils, torch_ir as ir
 # id(tensor) -> (weak reference, tensor._version when marked, digest of its value)
 _MARKED: dict[int, tuple[weakref.ref, int, str]] = {}
 MAX_ELEMENTS = 1 << 26
+log = logging.getLogger(__name__)
 
 
 def digest(value: torch.Tensor) -> str:
@@ -75,9 +77,21 @@ def constant_outputs(gm: fx.GraphModule) -> list[tuple[int, str]]:
         if mutated(n):
             continue
         value = ir.evaluate(gm, n, max_elements=MAX_ELEMENTS)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and _mask_like(value):
             found.append((i, digest(value)))
     return found
+
+
+def _mask_like(value: torch.Tensor) -> bool:
+    """Boolean, or additive with entries 0 and blocked ones (a cache of zeros is no mask: not hashed, not marked)."""
+    if value.dtype == torch.bool:
+        return True
+    blocked = value <= torch.finfo(value.dtype).min / 2
+    return bool(blocked.any()) and bool(((value == 0) | blocked).all())
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    return t.device, t.untyped_storage().data_ptr()
 
 
 def tag_outputs(found: list[tuple[int, str]]) -> Callable[[Callable, list[str]], Callable]:
@@ -114,6 +128,10 @@ def known_inputs(node: fx.Node, ctx, usable: Callable[[fx.Node], bool]) -> dict:
         if not isinstance(real, torch.Tensor) or mark_of(real) is None or not usable(x) \
                 or real.numel() > MAX_ELEMENTS:
             return {}
+        # another input sharing its memory (a view the graph may write through, which ``usable`` does not see)
+        if any(isinstance(a, torch.Tensor) and j != i and _storage(a) == _storage(real)
+               for j, a in enumerate(example_inputs)):
+            return {}
         known[x] = real.detach()
     return known
 
@@ -122,8 +140,9 @@ class Guard:
     """The inputs a graph's rewrites took as known, by position, and the digest each must carry at each call;
     ``fallback``: the graph as it was before (a copy), run where a call's input does not."""
 
-    def __init__(self, gm: fx.GraphModule):
-        self.gm, self.expected, self.fallback, self.misses, self.notes = gm, {}, None, 0, None
+    def __init__(self, gm: fx.GraphModule, written: list[int]):
+        self.gm, self.expected, self.fallback, self.misses = gm, {}, None, 0
+        self.written = written  # the inputs the graph writes into: none may share a relied-on input's memory
 
     def expect(self, inputs: dict, example_inputs: Sequence[Any]) -> None:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -137,17 +156,25 @@ class Guard:
             self.fallback = fx.GraphModule(self.gm, graph_utils.copy_graph(self.gm.graph))
 
     def holds(self, args: Sequence[Any]) -> bool:
-        return all(mark_of(args[i]) == key for i, key in self.expected.items())
+        if not all(mark_of(args[i]) == key for i, key in self.expected.items()):
+            return False
+        return not self.written or not ({_storage(args[i]) for i in self.expected}
+                                        & {_storage(args[w]) for w in self.written if isinstance(args[w], torch.Tensor)})
 
-    def wrapper(self, compiled: Callable) -> Callable:
+    def wrapper(self, built: Callable, notes: list[str]) -> Callable:
+        """Outside every hook and capture of the compiled graph (``wrap_built``): a CUDA graph of ours must not
+        capture the check, nor the graph as it was."""
         def call(*args: Any) -> Any:
             if self.holds(args):
-                return compiled(*args)
+                return built(*args)
             self.misses += 1
-            if self.misses == 1 and self.notes is not None:
-                self.notes.append(f"a call passed another mask than the one computed by an earlier graph of ours "
-                                  f"(input(s) {sorted(self.expected)}): it ran the graph as it was before the pass, "
-                                  "eagerly (noted once; Guard.misses counts such calls)")
+            if self.misses == 1:
+                message = (f"a call passed another mask than the one computed by an earlier graph of ours (input(s) "
+                           f"{sorted(self.expected)}): it ran the graph as it was before the pass, eagerly, and each "
+                           "such call will (noted once; Guard.misses counts them; options={'attention': False} "
+                           "keeps the dense mask compiled)")
+                notes.append(message)
+                log.warning("kernelpytorch: %s", message)
             return self.fallback(*args)
         return call
 
@@ -159,9 +186,11 @@ def rely(run, form, done: bool) -> None:
     if not form.relies_on:
         return
     if run.guard is None:
-        guard = run.guard = Guard(run.gm)
-        run.ctx.wrap_each_call(guard.wrapper)
-        run.ctx.note_after_compile(lambda notes: setattr(guard, "notes", notes))
+        from ._symbolic_masks import mutated
+
+        placeholders = [n for n in run.gm.graph.nodes if n.op == "placeholder"]
+        run.guard = Guard(run.gm, [i for i, x in enumerate(placeholders) if mutated(x)])
+        run.ctx.wrap_built(run.guard.wrapper)
     if done:
         run.guard.expect(form.relies_on, run.ctx.example_inputs)
     else:
