@@ -28,6 +28,8 @@ import torch.fx as fx
 
 from kpt_compiler import graph_utils, torch_ir as ir
 
+from ._symbolic_masks import mutated
+
 # id(tensor) -> (weak reference, tensor._version when marked, digest of its value)
 _MARKED: dict[int, tuple[weakref.ref, int, str]] = {}
 MAX_ELEMENTS = 1 << 26
@@ -72,8 +74,6 @@ def constant_outputs(gm: fx.GraphModule) -> list[tuple[int, str]]:
         if not isinstance(v, torch.Tensor) or v.dim() < 2 or not (v.is_floating_point() or v.dtype == torch.bool) \
                 or n.op == "placeholder" or ir.depends_on_inputs(n):
             continue
-        from ._symbolic_masks import mutated
-
         if mutated(n):
             continue
         value = ir.evaluate(gm, n, max_elements=MAX_ELEMENTS)
@@ -179,6 +179,13 @@ class Guard:
         return call
 
 
+def marked(run, mask: fx.Node) -> dict:
+    """``known_inputs`` for the attention pass's ``run``, once per mask node (SDPA calls ask twice)."""
+    if mask not in run.marks:
+        run.marks[mask] = known_inputs(mask, run.ctx, usable=lambda x: not mutated(x))
+    return run.marks[mask]
+
+
 def rely(run, form, done: bool) -> None:
     """For the attention pass's ``run``, before (``done`` False) and after a rewrite read from marked inputs
     (``form.relies_on``): keep the graph as it is for calls that pass other tensors, then have each call check
@@ -186,8 +193,6 @@ def rely(run, form, done: bool) -> None:
     if not form.relies_on:
         return
     if run.guard is None:
-        from ._symbolic_masks import mutated
-
         placeholders = [n for n in run.gm.graph.nodes if n.op == "placeholder"]
         run.guard = Guard(run.gm, [i for i, x in enumerate(placeholders) if mutated(x)])
         run.ctx.wrap_built(run.guard.wrapper)

@@ -50,7 +50,7 @@ from kpt_compiler import torch_ir as ir
 from kpt_compiler.graph_utils import drop_unused
 from kpt_compiler.registry import PassContext, graph_pass
 
-from . import _attention_gate as gate, _mask_provenance as provenance, _symbolic_masks as symbolic_masks
+from . import _attention_gate as gate, _mask_provenance as provenance
 from ._attention_gate import Call
 from ._attention_masks import mask_kind
 from ._attention_match import Attention, Miss, match, scalar
@@ -143,11 +143,10 @@ class _Run:
     hidden_rows_noted: bool = False
     guard: provenance.Guard | None = None  # rewrites read from marked inputs hold for calls that pass them
 
-    def marked(self, mask: fx.Node) -> dict:
-        return provenance.known_inputs(mask, self.ctx, usable=lambda x: not symbolic_masks.mutated(x))
+    marks: dict = dataclasses.field(default_factory=dict)  # mask node -> provenance.marked(run, mask), once
 
-    def rely(self, form, done: bool) -> None:
-        provenance.rely(self, form, done)
+    def marked(self, mask: fx.Node) -> dict:
+        return provenance.marked(self, mask)
 
 
 # ---------------------------------------------------------------------------------------------- rewriting
@@ -178,7 +177,7 @@ def _rewrite(run: _Run, a: Attention) -> bool:
     dtype = ir.example_value(a.q).dtype
     scores = ir.example_value(a.softmax).shape
     form = mask_kind(gm, a.masks, dtype, scores[-3], run.masks, query_len=scores[-2], marked=run.marked)
-    run.rely(form, done=False)
+    provenance.rely(run, form, done=False)
     if form.failed:
         ctx.note(f"{a.softmax.name}: the mask depends on no input but could not be computed at compile time, so "
                  f"it stays a dense mask (not proven causal): {form.failed}")
@@ -207,7 +206,7 @@ def _rewrite(run: _Run, a: Attention) -> bool:
             if fused is None:
                 return False
     a.out.replace_all_uses_with(fused)
-    run.rely(form, done=True)
+    provenance.rely(run, form, done=True)
     for node in reversed(a.chain):
         if not node.users:
             graph.erase_node(node)
@@ -333,7 +332,7 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
     if not ir.depends_on_inputs(mask, tensors_only=True) or run.marked(mask):
         masks = [("keep", mask, -math.inf)] if mv.dtype == torch.bool else [("add", mask, None)]
         form = mask_kind(gm, masks, qv.dtype, qv.shape[-3], run.masks, query_len=qv.shape[-2], marked=run.marked)
-        run.rely(form, done=False)
+        provenance.rely(run, form, done=False)
         if form.failed:
             ctx.note(f"{node.name}: the mask depends on no input but could not be computed at compile time: "
                      f"{form.failed}")
@@ -348,7 +347,7 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
                 with gm.graph.inserting_before(node):
                     fused = _emit_flex(gm.graph, q, k, v, scale if scale is not None else qv.shape[-1] ** -0.5,
                                        None, form.kind, form.window, form, node)
-                run.rely(form, done=True)
+                provenance.rely(run, form, done=True)
                 return _replace(run, node, fused, f"FlexAttention for the constant mask ({form.kind}"
                                                   f"{', position bias' if form.bias else ''})", form.kind)
             found = f"a constant {form.kind} mask FlexAttention cannot take {flex_why} (kept dense)"
@@ -362,7 +361,7 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
     if fused is None:
         return False
     if form is not None and planned.mask is not mask:
-        run.rely(form, done=True)
+        provenance.rely(run, form, done=True)
     return _replace(run, node, fused, found + why, "causal" if planned.causal and not original.causal else None)
 
 
