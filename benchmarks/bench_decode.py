@@ -12,6 +12,9 @@ new tokens, --repeats times each; ms/token = (T(N) - T(1)) / (N - 1): the decode
 median and [min, max] over repeats. Every call makes exactly N tokens: the end-of-sequence id is unset. The
 tokens of each mode are compared with the --reference mode's and eager's ("identical", or the first index that
 differs). kpt modes list, per graph, the passes that fired and what the cudagraphs pass decided.
+``--step`` also times the compiled forward alone on one decode step (the keyword arguments generate() passes
+at its second token, the same cache slot written again): "step ms" back to back (calls queued without a wait:
+the device's time where the host keeps ahead) and synchronized after each call (host and device in series).
 ``--separate`` runs each mode in a process of its own (one mode's compiled graphs, Dynamo caches and allocator
 state cannot slow the next; the record says so). ``--profile MODES`` profiles 3 decode steps of those modes
 (generate with 4 new tokens minus generate with 1) and prints the kernels that take the most device time per
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -185,9 +189,53 @@ def run_mode(model, forward, ids, mode: str, kwargs: dict | None, args, device: 
     graphs = kpt_graphs() if kwargs and kwargs["backend"] == "kernelpytorch" else None
     skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     row.update(graphs=graphs, cudagraph_skips=skips, captured=captured_cell(mode, kwargs, graphs or [], skips))
+    if args.step:
+        row.update(step_timing(model, ids, device, calls=max(1, min(20, args.new_tokens - 4))))
     if mode in args.profile:
         row["profile"] = profile_decode(model, ids, args.top, row["ms_per_token"])
     return row
+
+
+def step_timing(model, ids, device: str, calls: int) -> dict:
+    """The compiled forward alone on the arguments generate() gives its second decode step, ``calls`` times back
+    to back (one wait at the end) and ``calls`` times with a wait after each: ms per call, median of 3 rounds.
+    Each set of calls starts from a fresh generate() of 3 tokens (a cache that counts its own position, as
+    transformers 5.24's does, moves one slot per call: ``calls`` stays under the cache's free slots)."""
+    compiled = model.forward
+
+    def record():
+        seen = []
+
+        @functools.wraps(compiled)  # generate() reads the forward's signature to choose what it passes
+        def recorder(*a, **k):
+            ids_now = k.get("input_ids")
+            if not seen and ids_now is not None and ids_now.shape[1] == 1:
+                seen.append((a, k))
+            return compiled(*a, **k)
+
+        model.forward = recorder
+        try:
+            model.generate(ids, max_new_tokens=3, do_sample=False, cache_implementation="static")
+        finally:
+            model.forward = compiled
+        if not seen:
+            raise RuntimeError("generate() made no one-token forward call")
+        return seen[0]
+
+    def timed(wait_each: bool) -> float:
+        a, k = record()
+        measure.sync(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            compiled(*a, **k)
+            if wait_each:
+                measure.sync(device)
+        measure.sync(device)
+        return (time.perf_counter() - t0) / calls * 1e3
+
+    back = [timed(False) for _ in range(3)]
+    synced = [timed(True) for _ in range(3)]
+    return {"step_ms": statistics.median(back), "step_synced_ms": statistics.median(synced), "step_calls": calls}
 
 
 def profile_decode(model, ids, top: int, wall_ms: float) -> dict:
@@ -215,17 +263,20 @@ def table(record: dict) -> str:
              f"{record['new_tokens']} new tokens, on {record['card']}", "",
              f"- date: {record.get('date')}; commit: {record.get('commit')}; torch {record.get('torch')}",
              f"- command: `{record['command']}`",
-             "- ms/token: (T(new) - T(1)) / (new - 1), median over repeats [min, max]", "",
+             "- ms/token: (T(new) - T(1)) / (new - 1), median over repeats [min, max]",
+             "- step ms (with --step): the compiled forward alone on one decode step, back to back / waiting for "
+             "each call", "",
              f"| mode | compile+warmup s | ms/token | spread | tokens vs {ref} | tokens vs eager | peak GiB "
-             "| captured? | status |", "|" + " --- |" * 9]
+             "| captured? | step ms | status |", "|" + " --- |" * 10]
     for r in record["rows"]:
         if "ms_per_token" not in r:
-            lines.append(f"| {r['mode']} | - | - | - | - | - | - | - | {r['status'].replace('|', '/')} |")
+            lines.append(f"| {r['mode']} | - | - | - | - | - | - | - | - | {r['status'].replace('|', '/')} |")
             continue
         peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
+        step = f"{r['step_ms']:.3f} / {r['step_synced_ms']:.3f}" if "step_ms" in r else "-"
         lines.append(f"| {r['mode']} | {r['compile_warmup_s']:.1f} | {r['ms_per_token']:.3f} | "
                      f"[{r['min_ms']:.3f}, {r['max_ms']:.3f}] | {r['vs_reference']} | {r['vs_eager']} | {peak} | "
-                     f"{r['captured']} | {r['status']} |")
+                     f"{r['captured']} | {step} | {r['status']} |")
     for r in record["rows"]:
         if r.get("scored_vs_timed", "identical") != "identical":
             lines.append(f"\n- {r['mode']}: the generate() run after the timing for the logits' margins "
@@ -253,6 +304,7 @@ def _in_own_process(args, mode: str, kwargs: dict | None) -> dict:
                "--reference", args.reference, "--batch", str(args.batch), "--prompt", str(args.prompt),
                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--top", str(args.top),
                "--profile", mode if mode in args.profile else "", "--row-file", path]
+        cmd += ["--step"] if args.step else []
         cmd += ["--tiny"] if args.tiny else []
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if os.path.exists(path):
@@ -275,6 +327,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--profile", default="", help="modes (comma-separated) to profile after timing (CUDA only)")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--step", action="store_true", help="also time the compiled forward alone on one decode step")
     p.add_argument("--out", default="benchmarks/out/decode")
     p.add_argument("--separate", action="store_true", help="each mode in a process of its own (nothing left by "
                    "the modes before it: Dynamo's caches, the allocator's blocks, compiled graphs)")
