@@ -242,7 +242,7 @@ def kernelpytorch(
     start = time.perf_counter()
     _triton_toolchain_as_inductor()
     opts = parse_options(mode, options)
-    target = detect_target(example_inputs, opts.device)
+    target = detect_target(example_inputs, opts.device, gm)
     codegen = _choose_codegen(opts, target)
     rank = distributed.rank()
     dump = None

@@ -82,9 +82,22 @@ def cuda_target(index: int | None = None) -> Target:
     )
 
 
-def detect_target(example_inputs: Sequence[Any], asked: str = "auto") -> Target:
-    """The device the graph's inputs live on; ``asked`` (the ``device`` option) must agree unless it is "auto"."""
-    devices = _input_devices(example_inputs)
+def _graph_devices(gm: Any) -> list[torch.device]:
+    """The devices of the tensors a graph makes (Dynamo's example values), for a graph that takes none: a mask
+    built from sizes alone runs where its ops put it."""
+    devices = []
+    for node in getattr(getattr(gm, "graph", None), "nodes", ()):
+        value = node.meta.get("example_value", node.meta.get("val"))
+        for x in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(x, torch.Tensor) and x.device not in devices:
+                devices.append(x.device)
+    return devices
+
+
+def detect_target(example_inputs: Sequence[Any], asked: str = "auto", gm: Any = None) -> Target:
+    """The device the graph's inputs live on (where it takes no tensor, the device of the tensors it makes, read off
+    ``gm``); ``asked`` (the ``device`` option) must agree unless it is "auto"."""
+    devices = _input_devices(example_inputs) or _graph_devices(gm)
     types = {d.type for d in devices}
     if "xla" in types:
         found = "xla"

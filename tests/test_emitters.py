@@ -135,6 +135,27 @@ def test_target_from_inputs():
         detect_target([torch.randn(2)], "xla")
 
 
+def test_a_graph_without_tensor_inputs_runs_where_its_ops_put_their_tensors(monkeypatch):
+    """A causal mask built from sizes alone (a graph of its own before the attention's) takes no tensor: its
+    target is the device of the tensors it makes (found on a GPU: the cudagraphs pass refused it as a CPU graph)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from kpt_compiler import target as target_module
+
+    gm = torch.fx.symbolic_trace(lambda: torch.ones(2))
+    with FakeTensorMode():
+        made = torch.empty(2, device="cuda")
+    for node in gm.graph.nodes:
+        node.meta["example_value"] = made
+    gpu = Target("cuda", "NVIDIA H100 80GB HBM3", capability=(9, 0))
+    monkeypatch.setattr(target_module, "cuda_target", lambda index=None: gpu)
+    assert detect_target([], gm=gm) is gpu
+    assert detect_target([torch.randn(2)], gm=gm).device == "cpu"  # inputs decide where there are some
+    for node in gm.graph.nodes:
+        node.meta.clear()
+    assert detect_target([], gm=gm).device == "cpu"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_asking_for_cuda_without_it_says_what_is_missing():
     with pytest.raises(OptionError, match=r"options\['device'\]='cuda', but torch sees no CUDA device here"):
