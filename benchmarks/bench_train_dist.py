@@ -90,7 +90,7 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
     device = spec["device"]
     if device == "cuda":
         torch.cuda.set_device(rank)
-    if world > 1:
+    if spec["setup"] != "1gpu":  # ddp and fsdp2 need a process group, of one process too (--gpus 1)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}",
                                rank=rank, world_size=world)
     (entry, case), = [(e, c) for e, c in cases("full", device, [spec["model"]]) if c.task == "training"][:1]
