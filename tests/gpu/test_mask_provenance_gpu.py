@@ -5,7 +5,6 @@ NCCL (one process) in training."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kpt_compiler
 
