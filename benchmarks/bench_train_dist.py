@@ -133,7 +133,7 @@ def _worker(rank: int, world: int, init_file: str, spec: dict, result_file: str)
                 "peak_mib": peak[mode], **profiles.get(mode, {})})
         with open(result_file, "w") as f:
             json.dump(rows, f)
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -83,21 +83,29 @@ def cuda_target(index: int | None = None) -> Target:
 
 
 def _graph_devices(gm: Any) -> list[torch.device]:
-    """The devices of the tensors a graph makes (Dynamo's example values), for a graph that takes none: a mask
-    built from sizes alone runs where its ops put it."""
+    """The devices of the tensors a graph makes (Dynamo's example values, nested ones included)."""
+    from torch.utils._pytree import tree_leaves
+
     devices = []
     for node in getattr(getattr(gm, "graph", None), "nodes", ()):
-        value = node.meta.get("example_value", node.meta.get("val"))
-        for x in value if isinstance(value, (list, tuple)) else (value,):
+        for x in tree_leaves(node.meta.get("example_value", node.meta.get("val"))):
             if isinstance(x, torch.Tensor) and x.device not in devices:
                 devices.append(x.device)
     return devices
 
 
+def _host_scalars_only(example_inputs: Sequence[Any]) -> bool:
+    """No tensor input but 0-d CPU ones (the scalars Dynamo passes as tensors once a float changes)."""
+    return all(not isinstance(x, torch.Tensor) or (x.device.type == "cpu" and x.dim() == 0) for x in example_inputs)
+
+
 def detect_target(example_inputs: Sequence[Any], asked: str = "auto", gm: Any = None) -> Target:
-    """The device the graph's inputs live on (where it takes no tensor, the device of the tensors it makes, read off
-    ``gm``); ``asked`` (the ``device`` option) must agree unless it is "auto"."""
-    devices = _input_devices(example_inputs) or _graph_devices(gm)
+    """The device the graph's inputs live on; ``asked`` (the ``device`` option) must agree unless it is "auto".
+    Under "auto", a graph whose only tensor inputs are host scalars, or that takes none (a mask built from sizes
+    alone), runs where the tensors it makes are, read off ``gm`` (CUDA over the CPU, as for inputs)."""
+    devices = _input_devices(example_inputs)
+    if asked == "auto" and _host_scalars_only(example_inputs):
+        devices += [d for d in _graph_devices(gm) if d not in devices]
     types = {d.type for d in devices}
     if "xla" in types:
         found = "xla"

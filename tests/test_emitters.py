@@ -137,7 +137,9 @@ def test_target_from_inputs():
 
 def test_a_graph_without_tensor_inputs_runs_where_its_ops_put_their_tensors(monkeypatch):
     """A causal mask built from sizes alone (a graph of its own before the attention's) takes no tensor: its
-    target is the device of the tensors it makes (found on a GPU: the cudagraphs pass refused it as a CPU graph)."""
+    target is the device of the tensors it makes (found on a GPU: the cudagraphs pass refused it as a CPU graph).
+    So too where its only tensors in are host scalars (a float Dynamo made dynamic); a device asked for still
+    wins (a review: comparing it with the tensors made turned a graph that compiled into an error)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from kpt_compiler import target as target_module
@@ -146,14 +148,34 @@ def test_a_graph_without_tensor_inputs_runs_where_its_ops_put_their_tensors(monk
     with FakeTensorMode():
         made = torch.empty(2, device="cuda")
     for node in gm.graph.nodes:
-        node.meta["example_value"] = made
+        node.meta["example_value"] = ((made,),)  # nested, as a node with several outputs holds them
     gpu = Target("cuda", "NVIDIA H100 80GB HBM3", capability=(9, 0))
     monkeypatch.setattr(target_module, "cuda_target", lambda index=None: gpu)
     assert detect_target([], gm=gm) is gpu
+    assert detect_target([torch.tensor(0.5), 3], gm=gm) is gpu  # a host scalar: still where the tensors are made
     assert detect_target([torch.randn(2)], gm=gm).device == "cpu"  # inputs decide where there are some
+    assert detect_target([], "cpu", gm=gm).device == "cpu"  # asked for: no error, as before
     for node in gm.graph.nodes:
         node.meta.clear()
     assert detect_target([], gm=gm).device == "cpu"
+
+
+def test_the_backend_hands_its_graph_to_the_target_check(monkeypatch):
+    from kpt_compiler import backend as backend_module
+
+    seen = []
+    real = backend_module.detect_target
+
+    def recording(example_inputs, asked="auto", gm=None):
+        seen.append(gm)
+        return real(example_inputs, asked, gm)
+
+    monkeypatch.setattr(backend_module, "detect_target", recording)
+    torch._dynamo.reset()
+    out = torch.compile(lambda n: torch.arange(n) * 2, backend="kernelpytorch", options={"codegen": "eager"})(5)
+    torch._dynamo.reset()
+    assert out.tolist() == [0, 2, 4, 6, 8]
+    assert seen and all(g is not None and len(g.graph.nodes) > 0 for g in seen), seen
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
