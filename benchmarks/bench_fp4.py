@@ -116,8 +116,9 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
 
 
 SCALED = {"scaled_dot": True}
-GEMV_SWEEP = [dict(gemv=True, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=1)
-              for bn in (4, 8, 16) for bk in (512, 1024, 2048) for sk in (1, 2) for nw in (2, 4)]
+GEMV_SWEEP = [dict(gemv=True, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=1, gemv_math=math)
+              for math in ("f16x2", "f32") for bn in (8, 16, 32, 64) for bk in (512, 1024, 2048) for sk in (1, 2, 4)
+              for nw in (2, 4)]
 DOT_SWEEP = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, scaled_dot=sd,
                   decode=decode, gemv=False)
              for sd, decode in ((False, 1), (False, 2), (True, 0))
@@ -125,16 +126,17 @@ DOT_SWEEP = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, n
 
 
 def family(cfg: dict) -> str:
-    """The form a config runs: gemv (CUDA cores), dot with the integer or the bit decode, or the scaled dot."""
+    """The form a config runs: gemv (CUDA cores; fp16 pairs or fp32 arithmetic), dot with the integer or the bit
+    decode, or the scaled dot."""
     if cfg.get("gemv"):
-        return "gemv"
+        return f"gemv {cfg.get('gemv_math', 'f16x2')}"
     return "scaled dot" if cfg.get("scaled_dot") else f"dot decode={cfg.get('decode', 2)}"
 
 
-def sweep(shapes, ms, device: str, rep_ms: float, top: int = 2) -> list[dict]:
+def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "") -> list[dict]:
     """Every config of GEMV_SWEEP and DOT_SWEEP (small-M forms; NVFP4, or MXFP4 for the scaled dot) at each
     shape and M: the fastest ``top`` of each form, with the heuristic's own choice (kernels/fp4_linear.config_for)
-    and bf16 beside them."""
+    and bf16 beside them. ``forms``: only the forms whose names start so (comma-separated; "" all)."""
     from kpt_compiler.kernels.fp4_linear import config_for
 
     out = []
@@ -148,7 +150,7 @@ def sweep(shapes, ms, device: str, rep_ms: float, top: int = 2) -> list[dict]:
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
             t = {}
             mine = config_for(m, n, k, 16)
-            configs = GEMV_SWEEP + DOT_SWEEP
+            configs = [c for c in GEMV_SWEEP + DOT_SWEEP if family(c).startswith(tuple(forms.split(",")))]
             for cfg in configs + [mine]:
                 key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
                 q = qs[bool(cfg.get("scaled_dot"))]
@@ -161,11 +163,11 @@ def sweep(shapes, ms, device: str, rep_ms: float, top: int = 2) -> list[dict]:
             bf16 = timing_ms(rotating(lambda w: F.linear(x, w), ws), device, warmup_ms=rep_ms / 5, rep_ms=rep_ms,
                              cuda_graph=device == "cuda").median
             mine_key = ",".join(f"{a}={b}" for a, b in sorted(mine.items()))
-            forms = {}
+            by_form = {}
             for cfg in configs:
                 key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
-                forms.setdefault(family(cfg), []).append(key)
-            best = {f: [(c, t[c]) for c in sorted(keys, key=t.get)[:top]] for f, keys in forms.items()}
+                by_form.setdefault(family(cfg), []).append(key)
+            best = {f: [(c, t[c]) for c in sorted(keys, key=t.get)[:top]] for f, keys in by_form.items()}
             out.append({"N": n, "K": k, "M": m, "bf16_ms": bf16, "heuristic": mine_key,
                         "heuristic_ms": t[mine_key], "best": best})
             print(f"{n}x{k} M={m}: bf16 {bf16:.4f} ms, heuristic {t[mine_key]:.4f} ms; best: " +
@@ -206,6 +208,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=None, help="N x K shapes, comma-separated (default: 4096x4096,14336x4096,"
                    "4096x14336)")
     p.add_argument("--sweep", action="store_true", help="time every small-M config of GEMV_SWEEP and DOT_SWEEP instead")
+    p.add_argument("--forms", default="", help="with --sweep: only these forms (prefixes, e.g. 'gemv')")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke test of the table on tiny shapes (the eager reference, wall-clock times)")
     args = p.parse_args(argv)
@@ -222,7 +225,7 @@ def main(argv=None) -> int:
     if args.shapes:
         shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")]
     if args.sweep:
-        rows = sweep(shapes, ms, args.device, args.rep_ms)
+        rows = sweep(shapes, ms, args.device, args.rep_ms, forms=args.forms)
         write_out(args.out, "bench_fp4_sweep", {"card": torch.cuda.get_device_name() if args.device == "cuda" else
                                                 "cpu", "date": str(datetime.date.today()), "commit": git_commit()},
                   rows, "")

@@ -2,10 +2,13 @@
 (issue 18; the fp4 pass emits it as ``kpt::fp4_linear``).
 
 The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor scale). Two forms:
-- GEMV (M=1 by default, ``_fp4_gemv_kernel``): CUDA cores. The packed bytes are read as int32 words of 8 codes
-  and decoded by bit operations (inline PTX on the GPU: two codes per operation as fp16x2; their fp16 bits are
-  the value times 2^-14), multiplied by x and summed per scale block within a thread; the sums across threads
-  are taken once, at the end. On an H200 it is bound by instruction issue (benchmarks/diag_fp4_gemv.py).
+- GEMV (M=1 by default): CUDA cores. The packed bytes are read as int32 words of 8 codes and decoded by bit
+  operations (inline PTX on the GPU: two codes per operation as fp16x2; their fp16 bits are the value times
+  2^-14), multiplied by x and summed per scale block within a thread; the sums across threads are taken once,
+  at the end. Two arithmetics: for 16-bit activations by default, x scaled per word into fp16's range and the
+  products summed in fp16 pairs (``_fp4_gemv.py``, 8-15% faster on an H200, s27); for fp32 activations, or
+  ``gemv_math="f32"``, in fp32 (``_fp4_gemv_kernel``). Both are bound by instruction issue and latency, not
+  memory (benchmarks/diag_fp4_gemv.py).
 - dot (``_fp4_linear_kernel``): per K step x [BLOCK_M, BLOCK_K] and the weight's words [BLOCK_N, BLOCK_K / 8]
   decoded the same way and joined into K order (DECODE=2, the default; 1: bytes by the same bit operations in
   Triton; 0: bytes by integer arithmetic and an int-to-float conversion, the slowest), each block times its
@@ -22,9 +25,11 @@ import torch
 from torch import Tensor
 
 from . import _fp4_format as fmt
+from ._fp4_gemv import _fp4_gemv_h2_kernel
 from ._launch import HAVE_TRITON, INTERPRETED, input_precision, kernel_runs, tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_format", "_launch")  # what the cost model's tables are keyed by
 
 
 @triton.jit
@@ -212,12 +217,17 @@ SMS = 132  # an H100's SMs: split-K gives small M at least two programs per SM (
 GEMV_MAX_M = 1  # up to this M the GEMV form (CUDA cores) by default; past it the dot form (tensor cores)
 
 
-def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False, gemv: bool | None = None) -> dict:
+def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False, gemv: bool | None = None,
+               gemv_math: str = "f16x2") -> dict:
     """Tile sizes, split-K, form and launch settings for an M x N x K product (from bench_fp4 --sweep and the
-    GEMV form's diagnosis on an H200, s15). ``gemv``: the form asked for (None: the GEMV up to GEMV_MAX_M)."""
+    GEMV form's diagnosis on an H200, s15 and s27). ``gemv``: the form asked for (None: the GEMV up to
+    GEMV_MAX_M); ``gemv_math``: its arithmetic (f16x2: 8 rows a program and 2048 codes a step were the fastest at
+    all three of bench_fp4's shapes, H200 s27)."""
     if gemv is None:
         gemv = m <= GEMV_MAX_M and not scaled_dot
-    if gemv:
+    if gemv and gemv_math == "f16x2":
+        cfg = dict(block_m=1, block_n=8, block_k=2048, num_warps=4, num_stages=1, gemv=True)
+    elif gemv:
         narrow = -(-n // 16) < 2 * SMS  # few rows: 8 a program, longer steps along K
         cfg = dict(block_m=1, block_n=8 if narrow else 16, block_k=2048 if narrow else 1024, num_warps=4,
                    num_stages=1, gemv=True)
@@ -242,7 +252,8 @@ def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False, gem
 def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Tensor:
     """``x`` [..., K] times the fp4 weight [N, K] transposed: [..., N] in x's dtype. ``config`` overrides
     ``config_for`` (keys block_m, block_n, block_k, split_k, num_warps, num_stages; gemv: the CUDA-core form
-    (default at M=1), or False for the dot form; decode: the dot form's decode, 0-2; scaled_dot: MXFP4 with
+    (default at M=1), or False for the dot form; gemv_math: the GEMV's arithmetic, "f16x2" (the default for
+    16-bit x) or "f32" (for fp32 x); decode: the dot form's decode, 0-2; scaled_dot: MXFP4 with
     bf16 activations through ``tl.dot_scaled``)."""
     n, k = q.shape
     if x.shape[-1] != k:
@@ -255,10 +266,14 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     asked = config or {}
-    cfg = {**config_for(m, n, k, q.format.block, asked.get("scaled_dot", False), asked.get("gemv")), **asked}
+    math = asked.get("gemv_math", "f32" if x.dtype == torch.float32 else "f16x2")  # f16x2: bf16/fp16 exactly
+    cfg = {**config_for(m, n, k, q.format.block, asked.get("scaled_dot", False), asked.get("gemv"), math),
+           "gemv_math": math, **asked}
     bk, split = cfg["block_k"], cfg["split_k"]
     if cfg.get("decode", 2) not in (0, 1, 2):
         raise ValueError(f"fp4_linear: decode={cfg['decode']!r}; 0 (integers), 1 (bytes' bits) or 2 (words' bits)")
+    if cfg["gemv_math"] not in ("f16x2", "f32"):
+        raise ValueError(f"fp4_linear: gemv_math={cfg['gemv_math']!r}; 'f16x2' (fp16 pair sums) or 'f32'")
     if cfg["scaled_dot"] and cfg["gemv"]:
         raise ValueError("fp4_linear: scaled_dot is a form of the dot kernel; it cannot go with gemv=True")
     if bk % q.format.block or bk % 2 or k % q.format.block:
@@ -275,7 +290,9 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
         w = q.packed.contiguous().view(torch.int32)
     else:
         w = q.packed
-    if cfg.get("gemv"):
+    if cfg.get("gemv") and cfg["gemv_math"] == "f16x2":
+        kernel, extra = _fp4_gemv_h2_kernel, dict(ASM=asm, EVEN_K=k % bk == 0 and per_split % bk == 0)
+    elif cfg.get("gemv"):
         kernel, extra = _fp4_gemv_kernel, dict(ASM=asm)
     else:
         kernel = _fp4_linear_kernel

@@ -88,6 +88,8 @@ def test_bad_input_names_what_is_wrong():
         fp4_linear(torch.randn(2, 32).to(DEVICE), q, config={"decode": 3})
     with pytest.raises(ValueError, match="cannot go with gemv=True"):
         fp4_linear(torch.randn(1, 32).to(DEVICE), q, config={"gemv": True, "scaled_dot": True})
+    with pytest.raises(ValueError, match="gemv_math='f64'"):
+        fp4_linear(torch.randn(1, 32).to(DEVICE), q, config={"gemv": True, "gemv_math": "f64"})
 
 
 def test_the_form_asked_for_gets_its_own_tiles():
@@ -119,9 +121,10 @@ def test_the_op_form_matches_and_passes_opcheck(f):
 
 
 @pytest.mark.parametrize("config", [{"gemv": True, "block_n": 16, "block_k": 32},
+                                    {"gemv": True, "gemv_math": "f16x2", "block_n": 16, "block_k": 32},
                                     {"gemv": False, "decode": 2, "block_n": 16, "block_k": 64},
                                     {"gemv": False, "decode": 1, "block_n": 16, "block_k": 64}],
-                         ids=["gemv", "dot-words", "dot-bytes"])
+                         ids=["gemv", "gemv-f16x2", "dot-words", "dot-bytes"])
 def test_every_code_at_every_position_of_a_word_decodes_exactly(config):
     # y = x @ w.T with x the identity: the weight itself, every code (the signs, the subnormal 0.5) at every
     # nibble of a 32-bit word, where the words' decode takes them apart (on the GPU the same bit operations in
@@ -147,3 +150,23 @@ def test_the_gemv_form_by_default_at_m_1_and_right_at_any_m_with_split_k(f, M):
     for cfg in ({"gemv": True}, {"gemv": True, "split_k": 3, "block_k": 64}):
         y = fp4_linear(x, q, config=cfg)
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 3e4, 1e30])
+def test_the_fp16_pair_gemv_takes_bf16_activations_of_any_magnitude(f, scale):
+    # the GEMV's default for 16-bit activations multiplies and sums in fp16 pairs (kernels/_fp4_gemv.py): x is
+    # brought by a power of two per program to where fp16 neither overflows nor underflows. Activations from
+    # 1e-30 to 1e30, and a row spanning 8 decades, must come out as the dequantized matmul in float64 does, to
+    # bf16's rounding of the output; whole and ragged shares of K (split-K, a step past K's end)
+    g = torch.Generator().manual_seed(int(abs(torch.log10(torch.tensor(scale)))))
+    q = fmt.quantize(torch.randn(24, 256, generator=g).to(DEVICE), f)
+    x = torch.randn(2, 256, generator=g) * scale
+    x[1] *= 10 ** torch.linspace(-4, 4, 256)
+    x = x.to(DEVICE, torch.bfloat16)
+    ref = x.double().cpu() @ fmt.dequantize(q).double().cpu().T
+    for cfg in ({"gemv": True}, {"gemv": True, "split_k": 3, "block_k": 64, "block_n": 16}):
+        y = fp4_linear(x, q, config={**cfg, "gemv_math": "f16x2"})
+        assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+        err = (y.double().cpu() - ref).norm(dim=1) / ref.norm(dim=1)
+        assert err.max().item() < 4e-3, (cfg, err)

@@ -33,18 +33,20 @@ def test_mxfp4_through_the_scaled_dot_at_model_sizes(M, N, K):
     assert ((y.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("math", ["f16x2", "f32"])
 @pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
 @pytest.mark.parametrize("M, N, K, cfg", [
     (1, 4096, 14336, {}), (3, 1000, 512, {}), (1, 333, 1024, {"split_k": 3}),
-    (2, 64, 256, {"block_n": 8, "block_k": 256, "num_warps": 8})])
-def test_the_gemv_form_decodes_in_inline_asm_like_the_reference(f, M, N, K, cfg):
-    # the CUDA-core form's word decode is PTX on the GPU (the interpreter runs its Triton twin): every code
-    # value, the signs and the subnormal 0.5 must come out as the dequantized weight's
+    (2, 64, 256, {"block_n": 8, "block_k": 256, "num_warps": 8}), (1, 256, 4096, {"block_n": 32})])
+def test_the_gemv_form_decodes_in_inline_asm_like_the_reference(f, M, N, K, cfg, math):
+    # the CUDA-core forms' word decode is PTX on the GPU (the interpreter runs its Triton twin): every code
+    # value, the signs and the subnormal 0.5 must come out as the dequantized weight's; f16x2 multiplies and
+    # sums in fp16 pairs (kernels/_fp4_gemv.py), f32 in fp32
     g = torch.Generator(device="cuda").manual_seed(M + N)
     w = torch.randn(N, K, device="cuda", generator=g) * 0.02
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
     q = fmt.quantize(w, f)
-    y = fp4_linear(x, q, config={"gemv": True, **cfg})
+    y = fp4_linear(x, q, config={"gemv": True, "gemv_math": math, **cfg})
     ref = x.float() @ fmt.dequantize(q).T
     assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3
     r, j = torch.arange(16, device="cuda")[:, None], torch.arange(32, device="cuda")[None, :]
@@ -52,8 +54,25 @@ def test_the_gemv_form_decodes_in_inline_asm_like_the_reference(f, M, N, K, cfg)
     q1 = fmt.Fp4Weight(fmt.MXFP4, fmt.pack(codes), torch.full((16, 1), 127, dtype=torch.uint8, device="cuda"),
                        torch.ones((), device="cuda"), (16, 32))
     eye = torch.eye(32, device="cuda", dtype=torch.bfloat16)  # y = the weight itself, transposed
-    got = fp4_linear(eye, q1, config={"gemv": True, "block_n": 16, "block_k": 32})
+    got = fp4_linear(eye, q1, config={"gemv": True, "gemv_math": math, "block_n": 16, "block_k": 32})
     torch.testing.assert_close(got.float(), fmt.dequantize(q1).T, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1.0, 3e4, 1e30])
+def test_the_fp16_pair_gemv_takes_activations_of_any_magnitude_in_ptx(scale):
+    # the inline-asm form of tests/test_fp4_linear.py's test of the same name: x is brought to fp16's range by
+    # a power of two per program; a row spanning 8 decades; whole and ragged shares of K
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = fmt.quantize(torch.randn(512, 4096, device="cuda", generator=g), fmt.NVFP4)
+    x = torch.randn(2, 4096, device="cuda", generator=g) * scale
+    x[1] *= 10 ** torch.linspace(-4, 4, 4096, device="cuda")
+    x = x.bfloat16()
+    ref = x.double() @ fmt.dequantize(q).double().T
+    for cfg in ({"gemv": True}, {"gemv": True, "split_k": 3, "block_k": 512}):
+        y = fp4_linear(x, q, config={**cfg, "gemv_math": "f16x2"})
+        assert torch.isfinite(y).all()
+        err = (y.double() - ref).norm(dim=1) / ref.norm(dim=1)
+        assert err.max().item() < 4e-3, (cfg, err)
 
 
 def test_the_call_can_be_captured_in_a_cuda_graph():
