@@ -5,7 +5,7 @@ one fp16 -> fp32 conversion and one fp32 FMA, and is bound by issuing them, not 
 (benchmarks/diag_fp4_gemv.py, H200 s15: 17 us against 5.5 us for the loads alone). Here two codes are decoded
 into one register as fp16x2 and multiplied-added with x's pair in one instruction (``fma.rn.f16x2``): no
 conversion per code and half the FMAs. Triton 3.6's SASS for the H200's tiles: about 4 instructions a code
-against the fp32 form's 5.3; measured, 8-15% faster at M=1 (bench_fp4 --sweep, H200 s27).
+against the fp32 form's 5.3; measured, 7-15% faster at M=1 (bench_fp4 --sweep, H200 s27).
 
 The numbers:
 - A code's fp16 bits: sign at bit 15 and its 3 magnitude bits at 9-11 of each 16-bit half, which as fp16 is
