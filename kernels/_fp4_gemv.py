@@ -112,6 +112,16 @@ def _x_word(x_row, kw, stride_xk, EVEN_K: tl.constexpr, k_ok, ASM: tl.constexpr)
 
 
 @triton.jit
+def block_scales(ptrs, mask, E8M0: tl.constexpr):
+    """The scale bytes at ``ptrs`` as float32: E8M0 exponents (MXFP4) or E4M3 values (NVFP4). Where masked (the
+    words there are 0 too): 0, or 2^-127 for E8M0."""
+    raw = tl.load(ptrs, mask=mask, other=0)
+    if E8M0:
+        return tl.exp2(raw.to(tl.float32) - 127.0)
+    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _low(p):
     return (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
 
@@ -161,16 +171,8 @@ def _fp4_gemv_h2_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT
         sums = sums * down
         per_block = tl.sum(tl.reshape(sums, (BLOCK_N, NB, BLOCK // 8)), axis=2)
         sk = k0 // BLOCK + rs
-        if EVEN_K:
-            raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk, mask=n_ok[:, None], other=0)
-        else:
-            raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk,
-                          mask=n_ok[:, None] & (sk < k_end // BLOCK)[None, :], other=0)
-        if E8M0:
-            scale = tl.exp2(raw.to(tl.float32) - 127.0)
-        else:
-            scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        acc += per_block * scale
+        s_ok = n_ok[:, None] if EVEN_K else n_ok[:, None] & (sk < k_end // BLOCK)[None, :]
+        acc += per_block * block_scales(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk, s_ok, E8M0)
     out = tl.sum(acc, axis=1) * 16384.0 * tl.load(gs_ptr)  # the decode's 2^-14, the tensor scale (1: MXFP4)
     y_ptr += pid_k * stride_ys + pid_m * stride_ym
     tl.store(y_ptr + rn * stride_yn, out.to(y_ptr.dtype.element_ty), mask=n_ok)

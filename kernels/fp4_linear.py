@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from . import _fp4_format as fmt
-from ._fp4_gemv import _fp4_gemv_h2_kernel
+from ._fp4_gemv import _fp4_gemv_h2_kernel, block_scales
 from ._launch import HAVE_TRITON, INTERPRETED, input_precision, kernel_runs, tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -92,11 +92,7 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
                 values = tl.reshape(tl.join(_e2m1_twice(codes & 0xF), _e2m1_twice((codes >> 4) & 0xF)),
                                     (BLOCK_N, BLOCK_K))  # [.., j, 0] = element 2j, [.., j, 1] = 2j + 1
         if not SCALED_DOT:
-            raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk, mask=s_ok, other=0)
-            if E8M0:
-                scale = tl.exp2(raw.to(tl.float32) - 127.0) * half_gs
-            else:
-                scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * half_gs
+            scale = block_scales(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk, s_ok, E8M0) * half_gs
             w = tl.reshape(tl.reshape(values, (BLOCK_N, BLOCK_K // BLOCK, BLOCK)) * scale[:, :, None],
                            (BLOCK_N, BLOCK_K))
             acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
@@ -196,13 +192,8 @@ def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
         p += v7 * _x_part(x_row, kw, k_ok, stride_xk, 7)
         per_block = tl.sum(tl.reshape(p, (BLOCK_N, NB, BLOCK // 8)), axis=2)  # the words of a block: one thread's
         sk = k0 // BLOCK + rs
-        raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk,
-                      mask=n_ok & (sk < k_end // BLOCK)[None, :], other=0)
-        if E8M0:
-            scale = tl.exp2(raw.to(tl.float32) - 127.0)
-        else:
-            scale = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        acc += per_block * scale
+        s_ok = n_ok & (sk < k_end // BLOCK)[None, :]
+        acc += per_block * block_scales(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk, s_ok, E8M0)
     out = tl.sum(acc, axis=1) * 16384.0 * tl.load(gs_ptr)  # the decode's 2^-14, the tensor scale (1: MXFP4)
     y_ptr += pid_k * stride_ys + pid_m * stride_ym
     tl.store(y_ptr + rn * stride_yn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
