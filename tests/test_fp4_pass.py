@@ -220,7 +220,7 @@ def test_released_weights_free_their_copies_and_the_recompile_reads_the_fp4_code
 @pytest.mark.parametrize("card", ["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_the_committed_tables_take_decoding_sizes_and_decline_prefill_sizes(monkeypatch, fmt, card):
-    """The H200's two tables (benchmarks/calibrate.py at 7193f79, 2026-11-28, the GEMV in fp16 pairs): at M=1 the
+    """The H200's two tables (benchmarks/calibrate.py at d794510, 2026-11-28, the GEMV in fp16 pairs): at M=1 the
     kernel read its weights 1.6-1.9x faster than bf16 cuBLAS; at M=256 it is about 3x slower; M=16 does not pay
     at this shape either. The H100's tables measured the kernel before 7193f79 and were removed with it (the H100
     was not lent since): skipped there until it is calibrated again. Another card has no table."""
