@@ -1,11 +1,12 @@
 """The fp4 GEMV in half-precision pairs (``_fp4_gemv_h2_kernel``): fp4_linear's GEMV form for 16-bit activations.
 
 Why: the fp32 GEMV (fp4_linear._fp4_gemv_kernel) spends, per code, about two integer operations on the decode,
-one fp16 -> fp32 conversion and one fp32 FMA, and is bound by issuing them, not by memory
+one fp16 -> fp32 conversion and one fp32 FMA, and it is bound by that work, not by memory
 (benchmarks/diag_fp4_gemv.py, H200 s15: 17 us against 5.5 us for the loads alone). Here two codes are decoded
 into one register as fp16x2 and multiplied-added with x's pair in one instruction (``fma.rn.f16x2``): no
-conversion per code and half the FMAs. Triton 3.6's SASS for the H200's tiles: about 4 instructions a code
-against the fp32 form's 5.3; measured, 7-15% faster at M=1 (bench_fp4 --sweep, H200 s27).
+conversion per code and half the FMAs. Triton 3.6's SASS for the H200's tiles (our count, compiled on the CPU):
+about 4 instructions a code against the fp32 form's 5.3; measured, 7-15% faster at M=1 (bench_fp4 --sweep,
+H200 s27), less than the count suggests: what else bounds the loop (latency, by our guess) is not measured.
 
 The numbers:
 - A code's fp16 bits: sign at bit 15 and its 3 magnitude bits at 9-11 of each 16-bit half, which as fp16 is
@@ -13,15 +14,21 @@ The numbers:
   and t + 4) lands in the low and high halves with one shift per field: the magnitude moved by 9 - 4t bits,
   the sign by 12 - 4t.
 - Each word's 8 values of x are multiplied by a power of two that brings their largest magnitude to
-  [2^14, 2^15): x' is then exact in fp16 (bf16 activations down to 2^-31 of the word's largest), each product
-  x' * value * 2^-14 is below 12 and exact (2 significant bits times at most 11), and a half's sum of 4 is below
-  48. A product below 2^-14 (an x under about 2^-14 of its word's largest) is subnormal in fp16: an error of at
-  most 2^-25 there, against a largest term of 2^-1 or more. The power is undone on the word's f32 sum, exactly.
-- A word's two half sums (fp16, rounded once per addition: 3 roundings of 2^-11) go to f32, are multiplied by
+  [2^14, 2^15): x' is then exact in fp16 (bf16 activations down to 2^-31 of the word's largest), and each
+  product x' * value * 2^-14 is below 12, a half's sum of 4 below 48. For bf16 x a product is exact (8
+  significant bits times 2); for fp16 x (11 bits) the FMA rounds it. A product below 2^-14 (an x under about
+  2^-14 of its word's largest) is subnormal in fp16: an error of at most 2^-25 there, against the word's
+  largest x' times 2^-14, which is at least 1. The power is undone on the word's f32 sum, exactly.
+- A word's two half sums (fp16: 3 FMA roundings of 2^-11 each, 4 with fp16 x) go to f32, are multiplied by
   the block's scale and summed in f32: an error far below fp4's own (about 20 dB SQNR).
+- fp32 activations take the fp32 GEMV unless ``gemv_math="f16x2"`` is asked for; then x' is rounded to fp16.
+- Known, not yet changed (a kernel change needs the cards' calibration again): the decode's 2^-14 is applied
+  to the f32 total at the end, so activations below about 1e-33 make the f32 partial sums subnormal (as in the
+  fp32 form); folding it into each word's power of two would avoid that.
 The asm takes one word at a time (pack=1), so its result does not depend on how Triton lays the tile out over
-threads. On the CPU (Triton's interpreter, no inline asm) the same arithmetic runs in fp16 through tl
-operations.
+threads. On the CPU (Triton's interpreter, no inline asm) the same fp16 products and sums run through tl
+operations, added in another order (codes 0 to 3 where the asm goes 3 to 0 with FMAs): the results agree to
+fp16's rounding, not bit for bit.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor 
   2^-14), multiplied by x and summed per scale block within a thread; the sums across threads are taken once,
   at the end. Two arithmetics: for 16-bit activations by default, x scaled per word into fp16's range and the
   products summed in fp16 pairs (``_fp4_gemv.py``, 7-15% faster on an H200, s27); for fp32 activations, or
-  ``gemv_math="f32"``, in fp32 (``_fp4_gemv_kernel``). Both are bound by instruction issue and latency, not
+  ``gemv_math="f32"``, in fp32 (``_fp4_gemv_kernel``). Both are bound by the decode's work, not
   memory (benchmarks/diag_fp4_gemv.py).
 - dot (``_fp4_linear_kernel``): per K step x [BLOCK_M, BLOCK_K] and the weight's words [BLOCK_N, BLOCK_K / 8]
   decoded the same way and joined into K order (DECODE=2, the default; 1: bytes by the same bit operations in

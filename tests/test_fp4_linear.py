@@ -153,20 +153,53 @@ def test_the_gemv_form_by_default_at_m_1_and_right_at_any_m_with_split_k(f, M):
 
 
 @pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
-@pytest.mark.parametrize("scale", [1e-30, 1.0, 3e4, 1e30])
-def test_the_fp16_pair_gemv_takes_bf16_activations_of_any_magnitude(f, scale):
-    # the GEMV's default for 16-bit activations multiplies and sums in fp16 pairs (kernels/_fp4_gemv.py): x is
-    # brought by a power of two per program to where fp16 neither overflows nor underflows. Activations from
-    # 1e-30 to 1e30, and a row spanning 8 decades, must come out as the dequantized matmul in float64 does, to
-    # bf16's rounding of the output; whole and ragged shares of K (split-K, a step past K's end)
+@pytest.mark.parametrize("dtype, scale", [(torch.bfloat16, 1e-36), (torch.bfloat16, 1e-30), (torch.bfloat16, 1.0),
+                                          (torch.bfloat16, 3e4), (torch.bfloat16, 1e30), (torch.float16, 1e-3),
+                                          (torch.float16, 1.0), (torch.float16, 20.0)])
+def test_the_fp16_pair_gemv_takes_activations_of_any_magnitude(f, dtype, scale):
+    # the GEMV's default for 16-bit activations multiplies and sums in fp16 pairs (kernels/_fp4_gemv.py): each
+    # word's 8 values of x are brought by a power of two to where fp16 neither overflows nor underflows (clamped
+    # for the smallest). Activations from 1e-36 to 1e30 (bf16; fp16 within its range), a row spanning 8 decades,
+    # and a row whose words mix 1 and 1e-6, must come out as the dequantized matmul in float64 does, to the
+    # output dtype's rounding; whole and ragged shares of K (split-K, a step past K's end)
     g = torch.Generator().manual_seed(int(abs(torch.log10(torch.tensor(scale)))))
     q = fmt.quantize(torch.randn(24, 256, generator=g).to(DEVICE), f)
-    x = torch.randn(2, 256, generator=g) * scale
-    x[1] *= 10 ** torch.linspace(-4, 4, 256)
-    x = x.to(DEVICE, torch.bfloat16)
+    x = torch.randn(3, 256, generator=g) * scale
+    x[1] *= 10 ** torch.linspace(-4, 4, 256) if dtype == torch.bfloat16 else 10 ** torch.linspace(-2, 2, 256)
+    x[2, ::2] *= 1e-6 if dtype == torch.bfloat16 else 1e-3
+    x = x.to(DEVICE, dtype)
     ref = x.double().cpu() @ fmt.dequantize(q).double().cpu().T
     for cfg in ({"gemv": True}, {"gemv": True, "split_k": 3, "block_k": 64, "block_n": 16}):
-        y = fp4_linear(x, q, config={**cfg, "gemv_math": "f16x2"})
-        assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+        y = fp4_linear(x, q, config=cfg)  # f16x2: the default for 16-bit activations
+        assert y.dtype == dtype and torch.isfinite(y).all()
         err = (y.double().cpu() - ref).norm(dim=1) / ref.norm(dim=1)
-        assert err.max().item() < 4e-3, (cfg, err)
+        f32 = fp4_linear(x, q, config={**cfg, "gemv_math": "f32"})  # the same output rounding, fp32 inside
+        err_f32 = (f32.double().cpu() - ref).norm(dim=1) / ref.norm(dim=1)
+        assert (err < 1e-2).all() and (err <= 1.5 * err_f32 + 1e-3).all(), (cfg, err, err_f32)
+
+
+@pytest.mark.parametrize("dtype, kernel", [(torch.bfloat16, "_fp4_gemv_h2_kernel"),
+                                           (torch.float16, "_fp4_gemv_h2_kernel"),
+                                           (torch.float32, "_fp4_gemv_kernel")])
+def test_the_gemv_arithmetic_follows_the_activation_dtype(monkeypatch, dtype, kernel):
+    # fp16 pairs for 16-bit activations (exact for their values), fp32 for fp32 ones, unless asked otherwise
+    from kpt_compiler.kernels import fp4_linear as mod
+
+    launched = []
+
+    class Spy:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(mod, name)
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_fp4_gemv_h2_kernel", "_fp4_gemv_kernel"):
+        monkeypatch.setattr(mod, name, Spy(name))
+    q = fmt.quantize(torch.randn(16, 64).to(DEVICE))
+    fp4_linear(torch.randn(1, 64).to(DEVICE, dtype), q)
+    assert launched == [kernel]
+    other = "f32" if kernel == "_fp4_gemv_h2_kernel" else "f16x2"
+    fp4_linear(torch.randn(1, 64).to(DEVICE, dtype), q, config={"gemv_math": other})
+    assert launched[-1] != kernel

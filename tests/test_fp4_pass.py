@@ -231,13 +231,16 @@ def test_the_committed_tables_take_decoding_sizes_and_decline_prefill_sizes(monk
     monkeypatch.delenv("KPT_CALIBRATION_DIR", raising=False)
     gpu = Target("cuda", card, (9, 0))
     cal = cm.CostModel(gpu).calibration
-    if cal is None or cal.table(f"fp4_linear_{fmt}", torch.bfloat16) is None:
-        pytest.skip(f"no {card} {fmt} table committed")
 
     def decide(M, target=gpu):
         return cm.CostModel(target).decide("auto", cm.Candidate(
             f"fp4_linear_{fmt}", M, {"K": 4096, "N": 14336}, torch.bfloat16, fp4_linear, mkn=(M, 4096, 14336)))
 
+    if cal is None or cal.table(f"fp4_linear_{fmt}", torch.bfloat16) is None:
+        assert card != "NVIDIA H200", "the H200's fp4 tables are committed (kpt_compiler/calibration)"
+        first = decide(1)  # the H100 until it is calibrated again: declined, and the report says how to time it
+        assert not first.rewrite and "measure" in first.why, first.why
+        return
     assert decide(1).rewrite, decide(1).why
     late = decide(256)
     assert not late.rewrite and "M,K,N=256,4096,14336" in late.why, late.why

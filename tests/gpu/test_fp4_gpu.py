@@ -60,8 +60,8 @@ def test_the_gemv_form_decodes_in_inline_asm_like_the_reference(f, M, N, K, cfg,
 
 @pytest.mark.parametrize("scale", [1e-30, 1.0, 3e4, 1e30])
 def test_the_fp16_pair_gemv_takes_activations_of_any_magnitude_in_ptx(scale):
-    # the inline-asm form of tests/test_fp4_linear.py's test of the same name: x is brought to fp16's range by
-    # a power of two per program; a row spanning 8 decades; whole and ragged shares of K
+    # the inline-asm form of tests/test_fp4_linear.py's test of the same name: each word's x is brought to
+    # fp16's range by a power of two; a row spanning 8 decades; whole and ragged shares of K
     g = torch.Generator(device="cuda").manual_seed(7)
     q = fmt.quantize(torch.randn(512, 4096, device="cuda", generator=g), fmt.NVFP4)
     x = torch.randn(2, 4096, device="cuda", generator=g) * scale
