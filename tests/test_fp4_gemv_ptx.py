@@ -1,0 +1,106 @@
+"""The fp16-pair GEMV's inline PTX (kernels/_fp4_gemv.py) run by a small emulator on the CPU, so that CI covers
+the asm text the GPU runs (the interpreter runs the kernel's tl twin instead). An instruction the emulator does
+not know fails the test: a change of the asm must come with its emulation."""
+
+import re
+
+import numpy as np
+import pytest
+
+from kpt_compiler.kernels import _fp4_gemv as g
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+MASK = 0xFFFFFFFF
+
+
+def _halves(u: int):
+    return np.array([u & 0xFFFF, u >> 16], np.uint16).view(np.float16)
+
+
+def _pack(lo, hi) -> int:
+    b = np.array([lo, hi], np.float16).view(np.uint16)
+    return int(b[0]) | (int(b[1]) << 16)
+
+
+def run(asm: str, regs: dict) -> dict:
+    """Execute the asm's instructions over integer/float registers (fp16 arithmetic rounded as the GPU does:
+    an FMA rounds once, exact in float64 for fp16 operands)."""
+    r = dict(regs)
+
+    def get(s):
+        return r[s] if s in r else int(s, 0)
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        a = [s.strip() for s in re.split(r",(?![^{]*})", rest)]
+        if op == "shr.b32":
+            r[a[0]] = get(a[1]) >> int(a[2])
+        elif op == "mov.b32" and a[0].startswith("{"):
+            lo, hi = (s.strip() for s in a[0].strip("{}").split(","))
+            r[lo], r[hi] = get(a[1]) & 0xFFFF, get(a[1]) >> 16
+        elif op == "mov.b32":
+            r[a[0]] = get(a[1])
+        elif op == "mul.lo.u32":
+            r[a[0]] = (get(a[1]) * get(a[2])) & MASK
+        elif op == "and.b32":
+            r[a[0]] = get(a[1]) & get(a[2])
+        elif op == "or.b32":
+            r[a[0]] = get(a[1]) | get(a[2])
+        elif op in ("mul.rn.f16x2", "fma.rn.f16x2"):
+            x, y = _halves(get(a[1])), _halves(get(a[2]))
+            c = _halves(get(a[3])) if op.startswith("fma") else np.zeros(2, np.float16)
+            r[a[0]] = _pack(*(np.float16(float(x[i]) * float(y[i]) + float(c[i])) for i in range(2)))
+        elif op == "cvt.f32.f16":
+            r[a[0]] = np.float32(np.array([get(a[1])], np.uint16).view(np.float16)[0])
+        elif op == "add.f32":
+            r[a[0]] = np.float32(r[a[1]] + r[a[2]])
+        elif op == "cvt.rn.f16x2.f32":  # d = {a (upper half), b (lower half)}
+            r[a[0]] = _pack(np.float16(get(a[2])), np.float16(get(a[1])))
+        else:
+            raise AssertionError(f"the emulator does not know {line!r}: emulate it here with the asm's change")
+    return r
+
+
+def word_sum(word: int, x: np.ndarray) -> float:
+    """The asm's f32 sum of a word's 8 codes times x (8 fp16 values), x's pair t = (x[t], x[t + 4])."""
+    regs = {"$1": word, **{f"${2 + t}": _pack(x[t], x[t + 4]) for t in range(4)}}
+    return float(run(g._WORD_ASM, regs)["$0"])
+
+
+def code_value(c: int) -> float:
+    return (-1.0 if c & 8 else 1.0) * E2M1[c & 7]
+
+
+@pytest.mark.parametrize("t", range(8))
+def test_every_code_at_every_nibble_decodes_to_its_value_times_2_to_the_minus_14(t):
+    rng = np.random.default_rng(t)
+    for c in range(16):
+        for _ in range(4):  # the other nibbles random: they must not leak in
+            word = int(rng.integers(0, 2**32)) & ~(0xF << (4 * t)) | (c << (4 * t))
+            x = np.zeros(8, np.float16)
+            x[t] = 1.0
+            assert word_sum(word, x) == code_value(c) * 2.0**-14, (t, c, hex(word))
+
+
+def test_random_words_sum_as_float64_does_to_fp16_rounding():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        word = int(rng.integers(0, 2**32))
+        # x' as the kernel makes it: bf16 values scaled so that the largest is in [2^14, 2^15)
+        x = rng.standard_normal(8) * 10.0 ** rng.uniform(-3, 3, 8)
+        x = x / np.abs(x).max() * 2.0**14 * rng.uniform(1.0, 1.99)
+        x = np.float16(x)
+        terms = [code_value((word >> (4 * t)) & 0xF) * 2.0**-14 * float(x[t]) for t in range(8)]
+        got = word_sum(word, x)
+        assert abs(got - sum(terms)) <= 4 * 2.0**-11 * sum(abs(v) for v in terms) + 2.0**-24, (hex(word), x)
+
+
+def test_the_pack_puts_its_first_operand_in_the_low_half():
+    text = getattr(g._PACK_ASM, "value", g._PACK_ASM)
+    if text is None:
+        pytest.skip("no triton here: the pack's asm is not defined")
+    u = run(text, {"$1": np.float32(1.5), "$2": np.float32(-3.0)})["$0"]
+    assert list(_halves(u)) == [1.5, -3.0]
