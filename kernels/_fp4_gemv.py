@@ -4,9 +4,10 @@ Why: the fp32 GEMV (fp4_linear._fp4_gemv_kernel) spends, per code, about two int
 one fp16 -> fp32 conversion and one fp32 FMA, and it is bound by that work, not by memory
 (benchmarks/diag_fp4_gemv.py, H200 s15: 17 us against 5.5 us for the loads alone). Here two codes are decoded
 into one register as fp16x2 and multiplied-added with x's pair in one instruction (``fma.rn.f16x2``): no
-conversion per code and half the FMAs. Triton 3.6's SASS for the H200's tiles (our count, compiled on the CPU):
-about 4 instructions a code against the fp32 form's 5.3; measured, 7-15% faster at M=1 (bench_fp4 --sweep,
-H200 s27), less than the count suggests: what else bounds the loop (latency, by our guess) is not measured.
+conversion per code and half the FMAs. Triton 3.6's SASS (benchmarks/diag_fp4_sass.py, compiled on the CPU):
+3.9-4.8 instructions a code against the fp32 form's 5.0-5.5 at the same tiles; measured, 7-15% faster at M=1
+(bench_fp4 --sweep, H200 s27), less than the count suggests: what else bounds the loop (latency, by our guess)
+is not measured.
 
 The numbers:
 - A code's fp16 bits: sign at bit 15 and its 3 magnitude bits at 9-11 of each 16-bit half, which as fp16 is

@@ -1,0 +1,88 @@
+"""Instructions a code in the fp4 GEMVs' main loops, read from sm_90 machine code compiled on the CPU (no GPU).
+
+    PYTHONPATH=<site-packages of triton 3.6> python -m benchmarks.diag_fp4_sass [--out FILE]
+
+Triton lays tiles out differently from one version to the next (s27: 3.9 and 3.6 differed), so compile with the
+GPU machine's (3.6: ``python3 -m venv /tmp/v36 && /tmp/v36/bin/pip install triton==3.6.0``, then its
+site-packages first on PYTHONPATH). For each kernel and tile (NVFP4, bf16 activations, whole steps, unit
+strides as the launch specializes them): the longest loop of the SASS (nvdisasm over the cubin), its
+instructions over the codes a thread decodes per step, and the commonest opcodes. A count, not a time: what
+the card does with them (latency, pipes) is bench_fp4's to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kpt_compiler.kernels import _fp4_gemv, fp4_linear
+
+KERNELS = {"f16x2": _fp4_gemv._fp4_gemv_h2_kernel, "f32": fp4_linear._fp4_gemv_kernel}
+TILES = [(8, 2048, 4), (16, 1024, 4), (32, 1024, 4), (32, 512, 4)]  # block_n, block_k, warps
+DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "gs_ptr", "y_ptr", "stride_wn", "stride_sn", "stride_xm", "K", "N",
+             "K_PER_SPLIT")
+
+
+def sass(math: str, block_n: int, block_k: int, warps: int) -> str:
+    k = KERNELS[math]
+    const = {"stride_xk": 1, "stride_wk": 1, "stride_sk": 1, "stride_yn": 1, "E8M0": False, "BLOCK": 16,
+             "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True}
+    if math == "f16x2":
+        const["EVEN_K"] = True
+    types = ["*bf16", "*i32", "*u8", "*fp32", "*bf16"] + ["i32"] * 13
+    sig = dict(zip(k.arg_names, types + ["constexpr"] * (len(k.arg_names) - len(types))))
+    sig.update({c: "constexpr" for c in const})
+    src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in const.items()},
+                    attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        return subprocess.run([str(nvdisasm), "-c", f.name], check=True, capture_output=True, text=True).stdout
+
+
+def loop_counts(text: str) -> tuple[int, collections.Counter]:
+    """The longest backward branch's body: its instruction count and opcodes."""
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    best = (0, 0)
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > best[1] - best[0]:
+            best = (labels[m.group(1)], i)
+    ops = collections.Counter(m.group(1) for line in lines[best[0]:best[1] + 1]
+                              if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9]+)", line)))
+    return sum(ops.values()), ops
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="also write the table to this file")
+    args = p.parse_args(argv)
+    rows = [f"triton {triton.__version__}, sm_90, NVFP4, bf16 x; loop = the longest loop's instructions",
+            "| GEMV | block_n, block_k, warps | loop instructions | codes a thread a step | instructions a code | "
+            "commonest opcodes |", "| --- | --- | --- | --- | --- | --- |"]
+    for math in KERNELS:
+        for bn, bk, warps in TILES:
+            n, ops = loop_counts(sass(math, bn, bk, warps))
+            codes = bn * bk // (32 * warps)
+            rows.append(f"| {math} | {bn}, {bk}, {warps} | {n} | {codes} | {n / codes:.2f} | "
+                        + ", ".join(f"{o} {c}" for o, c in ops.most_common(6)) + " |")
+    table = "\n".join(rows)
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
