@@ -123,6 +123,10 @@ DOT_SWEEP = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, n
                   decode=decode, gemv=False)
              for sd, decode in ((False, 1), (False, 2), (True, 0))
              for bn in (32, 64, 128) for bk in (128, 256) for sk in (1, 4, 8)]
+DOT_SWEEP += [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=st, scaled_dot=False,
+                   decode=3, gemv=False)  # bf16 pairs, the weight as the MMA's first operand (kernels/_fp4_mma.py)
+              for bn, bk, st in ((64, 128, 3), (64, 256, 3), (64, 512, 2), (128, 128, 3), (128, 256, 3),
+                                 (128, 256, 2)) for sk in (1, 2, 4, 8) for nw in (4, 8)]
 
 
 def family(cfg: dict) -> str:
@@ -149,7 +153,7 @@ def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "")
         for m in ms:
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
             t = {}
-            mine = config_for(m, n, k, 16)
+            mine = config_for(m, n, k, 16, dtype=torch.bfloat16)
             configs = [c for c in GEMV_SWEEP + DOT_SWEEP if family(c).startswith(tuple(forms.split(",")))]
             for cfg in configs + [mine]:
                 key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))

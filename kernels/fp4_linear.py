@@ -13,7 +13,9 @@ The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor 
   decoded the same way and joined into K order (DECODE=2, the default; 1: bytes by the same bit operations in
   Triton; 0: bytes by integer arithmetic and an int-to-float conversion, the slowest), each block times its
   scale, then tl.dot in x's dtype with an fp32 accumulator. ``scaled_dot``: MXFP4 with bf16 activations
-  through triton's ``tl.dot_scaled`` (its own conversion; slower than DECODE=2 on the H200).
+  through triton's ``tl.dot_scaled`` (its own conversion; slower than DECODE=2 on the H200). DECODE=3 (bf16
+  activations, the default for them up to M=16): ``_fp4_mma.py``, the words decoded straight to scaled bf16
+  pairs and the weight as the MMA's first operand (MXFP4 block scales up to 2^9 only: weights below 4096).
 Small M splits K over several programs (fp32 partial sums added after) so that every SM has work. The NVFP4
 tensor scale is read from memory (no host sync: the call can be captured in a CUDA graph). Figures:
 benchmarks/results/nvidia-h200/2026-11-27-s15-fp4-e0af78f.md (1.5-1.65x bf16 cuBLAS at M=1; M=16 does not pay).
@@ -26,10 +28,11 @@ from torch import Tensor
 
 from . import _fp4_format as fmt
 from ._fp4_gemv import _fp4_gemv_h2_kernel, block_scales
+from ._fp4_mma import _fp4_mma_kernel
 from ._launch import HAVE_TRITON, INTERPRETED, input_precision, kernel_runs, tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_format", "_launch")  # what the cost model's tables are keyed by
+SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_format", "_launch")  # what the cost model's tables are keyed by
 
 
 @triton.jit
@@ -209,11 +212,12 @@ GEMV_MAX_M = 1  # up to this M the GEMV form (CUDA cores) by default; past it th
 
 
 def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False, gemv: bool | None = None,
-               gemv_math: str = "f16x2") -> dict:
+               gemv_math: str = "f16x2", dtype: torch.dtype | None = None) -> dict:
     """Tile sizes, split-K, form and launch settings for an M x N x K product (from bench_fp4 --sweep and the
     GEMV form's diagnosis on an H200, s15 and s27). ``gemv``: the form asked for (None: the GEMV up to
     GEMV_MAX_M); ``gemv_math``: its arithmetic (f16x2: 8 rows a program and 2048 codes a step were the fastest at
-    all three of bench_fp4's shapes, H200 s27)."""
+    all three of bench_fp4's shapes, H200 s27); ``dtype``: the activations' (bf16 up to M=16: the bf16-pair
+    MMA form, decode=3, 7-14% faster than decode=2 at M=2-16 on bench_fp4's shapes, H200 s28)."""
     if gemv is None:
         gemv = m <= GEMV_MAX_M and not scaled_dot
     if gemv and gemv_math == "f16x2":
@@ -222,6 +226,8 @@ def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False, gem
         narrow = -(-n // 16) < 2 * SMS  # few rows: 8 a program, longer steps along K
         cfg = dict(block_m=1, block_n=8 if narrow else 16, block_k=2048 if narrow else 1024, num_warps=4,
                    num_stages=1, gemv=True)
+    elif m <= 16 and dtype == torch.bfloat16 and not scaled_dot:
+        cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, decode=3)
     elif m <= 16:
         cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)  # also M=1 asked for the dot
     elif m <= 64:
@@ -244,7 +250,7 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     """``x`` [..., K] times the fp4 weight [N, K] transposed: [..., N] in x's dtype. ``config`` overrides
     ``config_for`` (keys block_m, block_n, block_k, split_k, num_warps, num_stages; gemv: the CUDA-core form
     (default at M=1), or False for the dot form; gemv_math: the GEMV's arithmetic, "f16x2" (the default for
-    16-bit x) or "f32" (for fp32 x); decode: the dot form's decode, 0-2; scaled_dot: MXFP4 with
+    16-bit x) or "f32" (for fp32 x); decode: the dot form's decode, 0-3 (3: bf16 x only, _fp4_mma.py); scaled_dot: MXFP4 with
     bf16 activations through ``tl.dot_scaled``)."""
     n, k = q.shape
     if x.shape[-1] != k:
@@ -258,11 +264,15 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     m = x2.shape[0]
     asked = config or {}
     math = asked.get("gemv_math", "f32" if x.dtype == torch.float32 else "f16x2")  # f16x2: bf16/fp16 exactly
-    cfg = {**config_for(m, n, k, q.format.block, asked.get("scaled_dot", False), asked.get("gemv"), math),
-           "gemv_math": math, **asked}
+    cfg = config_for(m, n, k, q.format.block, asked.get("scaled_dot", False), asked.get("gemv"), math, x.dtype)
+    cfg = {**cfg, "gemv_math": math, **asked}
     bk, split = cfg["block_k"], cfg["split_k"]
-    if cfg.get("decode", 2) not in (0, 1, 2):
-        raise ValueError(f"fp4_linear: decode={cfg['decode']!r}; 0 (integers), 1 (bytes' bits) or 2 (words' bits)")
+    if cfg.get("decode", 2) not in (0, 1, 2, 3):
+        raise ValueError(f"fp4_linear: decode={cfg['decode']!r}; 0 (integers), 1 (bytes' bits), 2 (words' bits) "
+                         "or 3 (bf16 pairs, weights as the MMA's first operand)")
+    if cfg.get("decode") == 3 and (x.dtype != torch.bfloat16 or cfg["gemv"] or cfg["scaled_dot"]):
+        raise ValueError(f"fp4_linear: decode=3 is a dot form for bfloat16 activations (got {x.dtype}; "
+                         "gemv and scaled_dot off)")
     if cfg["gemv_math"] not in ("f16x2", "f32"):
         raise ValueError(f"fp4_linear: gemv_math={cfg['gemv_math']!r}; 'f16x2' (fp16 pair sums) or 'f32'")
     if cfg["scaled_dot"] and cfg["gemv"]:
@@ -277,7 +287,7 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     grid = (m if cfg.get("gemv") else triton.cdiv(m, cfg["block_m"]), triton.cdiv(n, cfg["block_n"]), split)
     decode = cfg.get("decode", 2) if not cfg["scaled_dot"] else 0
     asm = x.is_cuda and not INTERPRETED
-    if cfg.get("gemv") or decode == 2:  # 8 codes an int32 word, element 8j + t in bits 4t..4t+3
+    if cfg.get("gemv") or decode >= 2:  # 8 codes an int32 word, element 8j + t in bits 4t..4t+3
         w = q.packed.contiguous().view(torch.int32)
     else:
         w = q.packed
@@ -285,6 +295,8 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
         kernel, extra = _fp4_gemv_h2_kernel, dict(ASM=asm, EVEN_K=k % bk == 0 and per_split % bk == 0)
     elif cfg.get("gemv"):
         kernel, extra = _fp4_gemv_kernel, dict(ASM=asm)
+    elif decode == 3:
+        kernel, extra = _fp4_mma_kernel, dict(ASM=asm, BLOCK_M=cfg["block_m"])
     else:
         kernel = _fp4_linear_kernel
         extra = dict(PRECISION=input_precision(x.dtype), SCALED_DOT=cfg["scaled_dot"], DECODE=decode, ASM=asm,

@@ -1,5 +1,6 @@
-"""The fp16-pair GEMV's inline PTX (kernels/_fp4_gemv.py) run by a small emulator on the CPU, so that CI covers
-the asm text the GPU runs (the interpreter runs the kernel's tl twin instead). An instruction the emulator does
+"""The fp4 kernels' inline PTX run by a small emulator on the CPU, so that CI covers the asm text the GPU runs
+(the interpreter runs the kernels' tl twins instead): the fp16-pair GEMV (kernels/_fp4_gemv.py) and the
+bf16-pair decode of the MMA form (kernels/_fp4_mma.py). An instruction the emulator does
 not know fails the test: a change of the asm must come with its emulation."""
 
 import re
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from kpt_compiler.kernels import _fp4_gemv as g
+from kpt_compiler.kernels import _fp4_mma
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 MASK = 0xFFFFFFFF
@@ -20,6 +22,16 @@ def _halves(u: int):
 def _pack(lo, hi) -> int:
     b = np.array([lo, hi], np.float16).view(np.uint16)
     return int(b[0]) | (int(b[1]) << 16)
+
+
+def _bf16(bits: int) -> float:
+    return float(np.array([bits << 16], np.uint32).view(np.float32)[0])
+
+
+def _to_bf16(v: float) -> int:
+    """Round to nearest even bf16 bits (through float32: a product of two bf16 values is exact there)."""
+    b = int(np.array([v], np.float32).view(np.uint32)[0])
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
 
 
 def run(asm: str, regs: dict) -> dict:
@@ -38,6 +50,12 @@ def run(asm: str, regs: dict) -> dict:
         a = [s.strip() for s in re.split(r",(?![^{]*})", rest)]
         if op == "shr.b32":
             r[a[0]] = get(a[1]) >> int(a[2])
+        elif op == "shl.b32":
+            r[a[0]] = (get(a[1]) << int(a[2])) & MASK
+        elif op == "mul.rn.bf16x2":
+            x, y = get(a[1]), get(a[2])
+            r[a[0]] = (_to_bf16(_bf16(x & 0xFFFF) * _bf16(y & 0xFFFF))
+                       | _to_bf16(_bf16(x >> 16) * _bf16(y >> 16)) << 16)
         elif op == "mov.b32" and a[0].startswith("{"):
             lo, hi = (s.strip() for s in a[0].strip("{}").split(","))
             r[lo], r[hi] = get(a[1]) & 0xFFFF, get(a[1]) >> 16
@@ -104,3 +122,28 @@ def test_the_pack_puts_its_first_operand_in_the_low_half():
         pytest.skip("no triton here: the pack's asm is not defined")
     u = run(text, {"$1": np.float32(1.5), "$2": np.float32(-3.0)})["$0"]
     assert list(_halves(u)) == [1.5, -3.0]
+
+
+def mma_word(word: int, scale_bits: int) -> list:
+    """The MMA form's decode of one word with a block scale (bf16 bits in both halves): its 8 values."""
+    out = run(_fp4_mma._WORD_ASM, {"$8": word, "$9": scale_bits | (scale_bits << 16)})
+    return [_bf16(out[f"${t}"]) for t in range(8)]
+
+
+@pytest.mark.parametrize("t", range(8))
+def test_the_bf16_pair_decode_gives_each_code_times_its_scale_at_every_nibble(t):
+    # s' carries 2^126 (the codes' bf16 bits are their values times 2^-126): the values come out times s' / 2^126
+    rng = np.random.default_rng(10 + t)
+    # E4M3 scales 2^-9, 1.625 and 448 times 2^118; E8M0 bytes 10 and 136: 2^(E - 9)
+    for scale in (2.0**-9 * 2**118, 1.625 * 2**118, 448.0 * 2**118, 2.0**(10 - 9), 2.0**(136 - 9)):
+        bits = _to_bf16(scale)
+        assert _bf16(bits) == scale
+        for c in range(16):
+            word = int(rng.integers(0, 2**32)) & ~(0xF << (4 * t)) | (c << (4 * t))
+            assert mma_word(word, bits)[t] == code_value(c) * 2.0**-126 * scale, (t, c, scale, hex(word))
+
+
+def test_a_scale_past_bf16s_top_gives_inf_not_a_finite_value():
+    inf_bits = 0x7F80  # what the kernel builds for an E8M0 byte past E8M0_MAX
+    values = mma_word(0x76543217, inf_bits)  # codes 7, 1, 2, ..., 7: no zero
+    assert all(np.isinf(v) for v in values)

@@ -84,8 +84,8 @@ def test_bad_input_names_what_is_wrong():
         fp4_linear(torch.randn(2, 32, dtype=torch.float64).to(DEVICE), q)
     with pytest.raises(ValueError, match="multiple of the format's 16"):
         fp4_linear(torch.randn(2, 32).to(DEVICE), q, config={"block_k": 24})
-    with pytest.raises(ValueError, match="decode=3"):  # an unknown decode would scale the result by 2^15
-        fp4_linear(torch.randn(2, 32).to(DEVICE), q, config={"decode": 3})
+    with pytest.raises(ValueError, match="decode=4"):  # an unknown decode would scale the result by 2^15
+        fp4_linear(torch.randn(2, 32).to(DEVICE), q, config={"decode": 4})
     with pytest.raises(ValueError, match="cannot go with gemv=True"):
         fp4_linear(torch.randn(1, 32).to(DEVICE), q, config={"gemv": True, "scaled_dot": True})
     with pytest.raises(ValueError, match="gemv_math='f64'"):
@@ -203,3 +203,58 @@ def test_the_gemv_arithmetic_follows_the_activation_dtype(monkeypatch, dtype, ke
     other = "f32" if kernel == "_fp4_gemv_h2_kernel" else "f16x2"
     fp4_linear(torch.randn(1, 64).to(DEVICE, dtype), q, config={"gemv_math": other})
     assert launched[-1] != kernel
+
+
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("M, N, K, split_k", [(1, 32, 64, 1), (5, 48, 128, 2), (17, 33, 96, 1), (3, 7, 160, 3)])
+def test_the_bf16_pair_mma_form_matches_to_bf16_rounding(f, M, N, K, split_k):
+    # decode=3 (kernels/_fp4_mma.py), the default for bf16 activations up to M=16: here its tl twin (same bits,
+    # built in fp32) with the dot in fp32; each output within one bf16 step of the float64 product (triton 3.9's
+    # interpreter rounds fp32 -> bf16 toward zero; the GPU to nearest: tests/gpu/test_fp4_gpu.py)
+    if K % f.block:
+        pytest.skip(f"K={K} is not a multiple of {f.name}'s block")
+    g = torch.Generator().manual_seed(M + N + K)
+    q = fmt.quantize(torch.randn(N, K, generator=g).to(DEVICE), f)
+    x = torch.randn(M, K, generator=g).to(DEVICE, torch.bfloat16)
+    y = fp4_linear(x, q, config={"gemv": False, "decode": 3, "block_n": 16, "block_k": 2 * f.block,
+                                 "split_k": split_k})
+    ref = x.double().cpu() @ fmt.dequantize(q).double().cpu().T
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    err = (y.double().cpu() - ref).abs()
+    assert (err <= 2.0**-7 * ref.abs() + 1e-6 * ref.abs().max()).all(), err.max()
+
+
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+def test_the_bf16_pair_mma_form_is_exact_over_its_scale_range(f):
+    # I @ w.T = w: every code at every nibble, block scales across the form's range (E8M0 2^-117..2^9, every
+    # E4M3, a power-of-two tensor scale) exactly as the dequantized weight in bf16; past 2^9, inf
+    n, k = 16, 256
+    r, j = torch.arange(n)[:, None], torch.arange(k)[None, :]
+    codes = ((r + j) % 16).to(torch.uint8)
+    blocks = k // f.block
+    if f is fmt.MXFP4:
+        raw, gs = torch.linspace(127 - 117, 127 + 9, n * blocks).round(), torch.ones(())
+    else:
+        raw, gs = torch.arange(1, 127).repeat(3)[:n * blocks], torch.tensor(2.0**-9)
+    raw = raw.to(torch.uint8).reshape(n, blocks)
+    q = fmt.Fp4Weight(f, fmt.pack(codes).to(DEVICE), (raw if f is fmt.MXFP4 else raw.view(torch.float8_e4m3fn))
+                      .to(DEVICE), gs.to(DEVICE), (n, k))
+    eye = torch.eye(k, dtype=torch.bfloat16, device=DEVICE)
+    cfg = {"gemv": False, "decode": 3, "block_n": 16, "block_k": 64}
+    torch.testing.assert_close(fp4_linear(eye, q, config=cfg).float(), fmt.dequantize(q, torch.bfloat16).float().T,
+                               rtol=0, atol=0)
+    if f is fmt.MXFP4:
+        big = fmt.Fp4Weight(f, q.packed, torch.full_like(q.scales, 127 + 10), q.global_scale, (n, k))
+        assert not fp4_linear(eye, big, config=cfg).isfinite().all()
+
+
+def test_bf16_activations_up_to_m_16_take_the_mma_form_and_only_they_may():
+    from kpt_compiler.kernels.fp4_linear import config_for
+
+    assert config_for(16, 4096, 4096, 16, dtype=torch.bfloat16)["decode"] == 3
+    for m, dtype in ((1, torch.bfloat16), (17, torch.bfloat16), (8, torch.float16), (8, None)):
+        assert config_for(m, 4096, 4096, 16, dtype=dtype).get("decode", 2) != 3, (m, dtype)
+    assert config_for(8, 4096, 4096, 32, scaled_dot=True, dtype=torch.bfloat16).get("decode", 0) == 0
+    q = fmt.quantize(torch.randn(8, 32).to(DEVICE))
+    with pytest.raises(ValueError, match="decode=3 is a dot form for bfloat16 activations"):
+        fp4_linear(torch.randn(2, 32, dtype=torch.float16).to(DEVICE), q, config={"decode": 3})

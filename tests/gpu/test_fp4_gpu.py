@@ -58,6 +58,47 @@ def test_the_gemv_form_decodes_in_inline_asm_like_the_reference(f, M, N, K, cfg,
     torch.testing.assert_close(got.float(), fmt.dequantize(q1).T, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("M, N, K, cfg", [
+    (16, 4096, 14336, {}), (5, 1000, 512, {}), (33, 333, 1024, {"split_k": 3}),
+    (2, 64, 256, {"block_n": 128, "block_k": 128, "num_stages": 2}), (16, 256, 4096, {"block_k": 512})])
+def test_the_bf16_pair_mma_form_decodes_in_inline_asm_like_the_reference(f, M, N, K, cfg):
+    # decode=3 (kernels/_fp4_mma.py): the weight decoded to scaled bf16 pairs in PTX, wgmma's first operand
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    w = torch.randn(N, K, device="cuda", generator=g) * 0.02
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    q = fmt.quantize(w, f)
+    y = fp4_linear(x, q, config={"gemv": False, "decode": 3, **cfg})
+    ref = x.float() @ fmt.dequantize(q).T
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 5e-3
+
+
+@pytest.mark.parametrize("f", [fmt.NVFP4, fmt.MXFP4], ids=lambda f: f.name)
+def test_the_bf16_pair_mma_form_is_exact_over_its_scale_range_in_ptx(f):
+    # y = I @ w.T = the weight: every code at every nibble of a word, times block scales across the range the
+    # form promises (E8M0 2^-117..2^9, every E4M3, a power-of-two tensor scale), exact; past 2^9 E8M0 gives inf
+    n, k = 16, 256
+    r, j = torch.arange(n, device="cuda")[:, None], torch.arange(k, device="cuda")[None, :]
+    codes = ((r + j) % 16).to(torch.uint8)
+    blocks = k // f.block
+    if f is fmt.MXFP4:
+        scales = torch.linspace(127 - 117, 127 + 9, n * blocks, device="cuda").round().to(torch.uint8)
+        gs = torch.ones((), device="cuda")
+    else:
+        scales = torch.arange(1, 127, device="cuda").repeat(3)[:n * blocks].to(torch.uint8)
+        gs = torch.tensor(2.0**-9, device="cuda")
+    scales = scales.reshape(n, blocks)
+    stored = scales if f is fmt.MXFP4 else scales.view(torch.float8_e4m3fn)
+    q = fmt.Fp4Weight(f, fmt.pack(codes), stored, gs, (n, k))
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    cfg = {"gemv": False, "decode": 3, "block_n": 64, "block_k": 128}
+    torch.testing.assert_close(fp4_linear(eye, q, config=cfg).float(), fmt.dequantize(q, torch.bfloat16).float().T,
+                               rtol=0, atol=0)
+    if f is fmt.MXFP4:
+        big = fmt.Fp4Weight(f, q.packed, torch.full_like(scales, 127 + 10), gs, (n, k))
+        assert not fp4_linear(eye, big, config=cfg).isfinite().all()
+
+
 @pytest.mark.parametrize("dtype, scale", [(torch.bfloat16, 1e-36), (torch.bfloat16, 1e-30), (torch.bfloat16, 1.0),
                                           (torch.bfloat16, 3e4), (torch.bfloat16, 1e30), (torch.float16, 1e-3),
                                           (torch.float16, 20.0)])
