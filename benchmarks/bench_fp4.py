@@ -116,17 +116,19 @@ def run(shapes, ms, formats, device: str, rep_ms: float) -> list[dict]:
 
 
 SCALED = {"scaled_dot": True}
-GEMV_SWEEP = [dict(gemv=True, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=1, gemv_math=math)
-              for math in ("f16x2", "f32") for bn in (8, 16, 32, 64) for bk in (512, 1024, 2048) for sk in (1, 2, 4)
-              for nw in (2, 4)]
+GEMV_SWEEP = [dict(gemv=True, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=1, gemv_math="f32")
+              for bn in (8, 16, 32, 64) for bk in (512, 1024, 2048) for sk in (1, 2, 4) for nw in (2, 4)]
+GEMV_SWEEP += [dict(gemv=True, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=1, gemv_math="f16x2")
+               for bn in (4, 8, 16, 32) for bk in (1024, 2048, 4096) for sk in (1, 2) for nw in (4, 8, 16)
+               if bk // 8 >= 32 * nw // bn]  # at least one word a thread (s28: one wave of 3.6 warps a scheduler)
 DOT_SWEEP = [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=4, num_stages=3, scaled_dot=sd,
                   decode=decode, gemv=False)
              for sd, decode in ((False, 1), (False, 2), (True, 0))
              for bn in (32, 64, 128) for bk in (128, 256) for sk in (1, 4, 8)]
 DOT_SWEEP += [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=nw, num_stages=st, scaled_dot=False,
                    decode=3, gemv=False)  # bf16 pairs, the weight as the MMA's first operand (kernels/_fp4_mma.py)
-              for bn, bk, st in ((64, 128, 3), (64, 256, 3), (64, 512, 2), (128, 128, 3), (128, 256, 3),
-                                 (128, 256, 2)) for sk in (1, 2, 4, 8) for nw in (4, 8)]
+              for bn, bk, st, nw in ((64, 64, 3, 4), (64, 64, 4, 4), (64, 128, 2, 4), (64, 128, 3, 4), (64, 128, 4, 4),
+                                     (64, 256, 3, 4), (128, 128, 3, 8), (128, 256, 3, 8)) for sk in (2, 4, 8, 16, 32)]
 
 
 def family(cfg: dict) -> str:
