@@ -23,10 +23,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kpt_compiler.kernels import _fp4_gemv, fp4_linear
+from kpt_compiler.kernels import _fp4_gemv, _fp4_mma, fp4_linear
 
-KERNELS = {"f16x2": _fp4_gemv._fp4_gemv_h2_kernel, "f32": fp4_linear._fp4_gemv_kernel}
+KERNELS = {"f16x2": _fp4_gemv._fp4_gemv_h2_kernel, "f32": fp4_linear._fp4_gemv_kernel,
+           "mma (decode=3)": _fp4_mma._fp4_mma_kernel, "dot (decode=2)": fp4_linear._fp4_linear_kernel}
 TILES = [(8, 2048, 4), (16, 1024, 4), (32, 1024, 4), (32, 512, 4)]  # block_n, block_k, warps
+DOT_TILES = [(64, 128, 4), (64, 256, 4), (128, 256, 8)]  # the dot forms: block_m 16, 3 stages
 DIVISIBLE = ("x_ptr", "w_ptr", "s_ptr", "gs_ptr", "y_ptr", "stride_wn", "stride_sn", "stride_xm", "K", "N",
              "K_PER_SPLIT")
 
@@ -37,12 +39,18 @@ def sass(math: str, block_n: int, block_k: int, warps: int) -> str:
              "BLOCK_N": block_n, "BLOCK_K": block_k, "ASM": True}
     if math == "f16x2":
         const["EVEN_K"] = True
+    dot = math.startswith(("mma", "dot"))
+    if dot:
+        const["BLOCK_M"] = 16
+    if math.startswith("dot"):
+        const.update(PRECISION="ieee", SCALED_DOT=False, DECODE=2)
     types = ["*bf16", "*i32", "*u8", "*fp32", "*bf16"] + ["i32"] * 13
     sig = dict(zip(k.arg_names, types + ["constexpr"] * (len(k.arg_names) - len(types))))
     sig.update({c: "constexpr" for c in const})
     src = ASTSource(fn=k, signature=sig, constexprs={(k.arg_names.index(n),): v for n, v in const.items()},
                     attrs={(k.arg_names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": 3 if dot else 1})
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -69,10 +77,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the table to this file")
     args = p.parse_args(argv)
     rows = [f"triton {triton.__version__}, sm_90, NVFP4, bf16 x; loop = the longest loop's instructions",
-            "| GEMV | block_n, block_k, warps | loop instructions | codes a thread a step | instructions a code | "
+            "| form | block_n, block_k, warps | loop instructions | codes a thread a step | instructions a code | "
             "commonest opcodes |", "| --- | --- | --- | --- | --- | --- |"]
     for math in KERNELS:
-        for bn, bk, warps in TILES:
+        for bn, bk, warps in DOT_TILES if math.startswith(("mma", "dot")) else TILES:
             n, ops = loop_counts(sass(math, bn, bk, warps))
             codes = bn * bk // (32 * warps)
             rows.append(f"| {math} | {bn}, {bk}, {warps} | {n} | {codes} | {n / codes:.2f} | "

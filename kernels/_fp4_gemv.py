@@ -130,6 +130,22 @@ def block_scales(ptrs, mask, E8M0: tl.constexpr):
 
 
 @triton.jit
+def x_tile(x_ptr, rm, k0, k_end, stride_xm, stride_xk, m_ok, BLOCK_K: tl.constexpr):
+    """x [rows rm, BLOCK_K from k0], zero past k_end and where m_ok is false (the dot forms' step)."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m_ok & (rk < k_end)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def weight_words(w_ptr, rn, k0, k_end, stride_wn, stride_wk, n_ok, WORDS: tl.constexpr):
+    """The int32 words (8 codes each) of weight rows rn from element k0, [rows, WORDS], zero past k_end."""
+    kw = k0 // 8 + tl.arange(0, WORDS)
+    return tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :] * stride_wk, mask=n_ok & (kw < k_end // 8)[None, :],
+                   other=0)
+
+
+@triton.jit
 def _low(p):
     return (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True)
 

@@ -6,8 +6,10 @@ to bf16: about 8 instructions a code in Triton 3.6's sm_90 loop, and its weight 
 which a Hopper wgmma takes only from shared memory (Triton picks the Ampere MMA instead). Here
 ``acc[n, m] = sum_k w[n, k] x[m, k]``: the decoded weight is wgmma's A operand (registers), x its B (shared
 memory), and each pair of codes costs two shifts, two logic operations and one bf16x2 multiply that applies
-the block scale. Compiled for sm_90 on the CPU (benchmarks/diag_fp4_sass.py): 5.9 instructions a code
-against 8.2 (bench_fp4 --sweep measures what that is worth on the card).
+the block scale. Compiled for sm_90 on the CPU (benchmarks/diag_fp4_sass.py, triton 3.6): 6.1-6.6
+instructions a code against decode=2's 7.7-8.2 at the same tiles; measured on an H200, 7-14% faster at M=2-16
+(bench_fp4 --sweep, s28), less than the count says: ncu finds both forms latency-bound at one wave of 3.6
+warps a scheduler (benchmarks/diag_fp4_ncu.py; results/nvidia-h200/2026-11-29-s28-*).
 
 The numbers (exact wherever a weight fits; the reference is fmt.dequantize):
 - A code's bf16 bits: sign at bit 15, its 3 magnitude bits at 6-8 of each 16-bit half. As bf16 that is its
@@ -29,6 +31,7 @@ triton 3.8 and 3.9).
 
 from __future__ import annotations
 
+from ._fp4_gemv import weight_words, x_tile
 from ._launch import HAVE_TRITON, tl, triton
 
 SHIFT = tl.constexpr(8) if HAVE_TRITON else 8  # log2 of the factor taken off the weights (E4M3 scales reach 448 < 2^9; E8M0: the range above)
@@ -97,7 +100,6 @@ def _fp4_mma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     NB: tl.constexpr = BLOCK_K // BLOCK
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rw = tl.arange(0, NW)
     rs = tl.arange(0, NB)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
@@ -105,12 +107,8 @@ def _fp4_mma_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     m_ok = rm[:, None] < M
     n_ok = rn[:, None] < N
     for k0 in range(k_start, k_end, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m_ok & (rk < k_end)[None, :],
-                    other=0.0)
-        kw = k0 // 8 + rw
-        words = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :] * stride_wk,
-                        mask=n_ok & (kw < k_end // 8)[None, :], other=0)
+        x = x_tile(x_ptr, rm, k0, k_end, stride_xm, stride_xk, m_ok, BLOCK_K)
+        words = weight_words(w_ptr, rn, k0, k_end, stride_wn, stride_wk, n_ok, NW)
         sk = k0 // BLOCK + rs
         raw = tl.load(s_ptr + rn[:, None] * stride_sn + sk[None, :] * stride_sk,
                       mask=n_ok & (sk < k_end // BLOCK)[None, :], other=0).to(tl.int32)

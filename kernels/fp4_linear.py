@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import _fp4_format as fmt
-from ._fp4_gemv import _fp4_gemv_h2_kernel, block_scales
+from ._fp4_gemv import _fp4_gemv_h2_kernel, _x_at, block_scales, weight_words, x_tile
 from ._fp4_mma import _fp4_mma_kernel
 from ._launch import HAVE_TRITON, INTERPRETED, input_precision, kernel_runs, tl, triton
 
@@ -59,7 +59,6 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = tl.arange(0, BLOCK_K // 2)  # packed bytes along K: byte j holds elements 2j (low nibble) and 2j + 1
-    rw = tl.arange(0, BLOCK_K // 8)
     rs = tl.arange(0, BLOCK_K // BLOCK)
     # the tensor scale (1 for MXFP4), from memory, times the decode's factor: 1/2 (twice the values) or 2^14 (on the
     # scale, not the values: fp16 activations would make them subnormal; an E8M0 scale past 2^113 would overflow,
@@ -71,15 +70,11 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     m_ok = rm[:, None] < M
     n_ok = rn[:, None] < N
     for k0 in range(k_start, k_end, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk,
-                    mask=m_ok & (rk < k_end)[None, :], other=0.0)
+        x = x_tile(x_ptr, rm, k0, k_end, stride_xm, stride_xk, m_ok, BLOCK_K)
         sk = k0 // BLOCK + rs
         s_ok = n_ok & (sk < k_end // BLOCK)[None, :]
         if DECODE == 2:
-            kw = k0 // 8 + rw
-            words = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :] * stride_wk,
-                            mask=n_ok & (kw < k_end // 8)[None, :], other=0)
+            words = weight_words(w_ptr, rn, k0, k_end, stride_wn, stride_wk, n_ok, BLOCK_K // 8)
             values = _decode_words(words, ASM, BLOCK_N, BLOCK_K // 8)
         else:
             kb = k0 // 2 + rb
@@ -152,12 +147,6 @@ def _decode_words(words, ASM: tl.constexpr, ROWS: tl.constexpr, WORDS: tl.conste
 
 
 @triton.jit
-def _x_part(x_row, kw, k_ok, stride_xk, T: tl.constexpr):
-    """x[m, 8j + T] for the words j of this step, float32, as a row to broadcast over the weight's rows."""
-    return tl.load(x_row + (8 * kw + T) * stride_xk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-
-
-@triton.jit
 def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
                      stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_ys, stride_ym,
                      stride_yn, E8M0: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -185,14 +174,14 @@ def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
         words = tl.load(w_ptr + rn[:, None] * stride_wn + kw[None, :] * stride_wk, mask=n_ok & k_ok[None, :],
                         other=0)
         v0, v1, v2, v3, v4, v5, v6, v7 = _decode_word(words, ASM)
-        p = v0 * _x_part(x_row, kw, k_ok, stride_xk, 0)
-        p += v1 * _x_part(x_row, kw, k_ok, stride_xk, 1)
-        p += v2 * _x_part(x_row, kw, k_ok, stride_xk, 2)
-        p += v3 * _x_part(x_row, kw, k_ok, stride_xk, 3)
-        p += v4 * _x_part(x_row, kw, k_ok, stride_xk, 4)
-        p += v5 * _x_part(x_row, kw, k_ok, stride_xk, 5)
-        p += v6 * _x_part(x_row, kw, k_ok, stride_xk, 6)
-        p += v7 * _x_part(x_row, kw, k_ok, stride_xk, 7)
+        p = v0 * _x_at(x_row, kw, stride_xk, 0, False, k_ok)
+        p += v1 * _x_at(x_row, kw, stride_xk, 1, False, k_ok)
+        p += v2 * _x_at(x_row, kw, stride_xk, 2, False, k_ok)
+        p += v3 * _x_at(x_row, kw, stride_xk, 3, False, k_ok)
+        p += v4 * _x_at(x_row, kw, stride_xk, 4, False, k_ok)
+        p += v5 * _x_at(x_row, kw, stride_xk, 5, False, k_ok)
+        p += v6 * _x_at(x_row, kw, stride_xk, 6, False, k_ok)
+        p += v7 * _x_at(x_row, kw, stride_xk, 7, False, k_ok)
         per_block = tl.sum(tl.reshape(p, (BLOCK_N, NB, BLOCK // 8)), axis=2)  # the words of a block: one thread's
         sk = k0 // BLOCK + rs
         s_ok = n_ok & (sk < k_end // BLOCK)[None, :]
@@ -292,7 +281,7 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     else:
         w = q.packed
     if cfg.get("gemv") and cfg["gemv_math"] == "f16x2":
-        kernel, extra = _fp4_gemv_h2_kernel, dict(ASM=asm, EVEN_K=k % bk == 0 and per_split % bk == 0)
+        kernel, extra = _fp4_gemv_h2_kernel, dict(ASM=asm, EVEN_K=k % bk == 0)  # per_split: whole steps
     elif cfg.get("gemv"):
         kernel, extra = _fp4_gemv_kernel, dict(ASM=asm)
     elif decode == 3:
