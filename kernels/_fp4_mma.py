@@ -5,8 +5,8 @@ Why: the dot form (fp4_linear._fp4_linear_kernel) decodes to fp32, multiplies by
 to bf16: about 8 instructions a code in Triton 3.6's sm_90 loop, and its weight is tl.dot's second operand,
 which a Hopper wgmma takes only from shared memory (Triton picks the Ampere MMA instead). Here
 ``acc[n, m] = sum_k w[n, k] x[m, k]``: the decoded weight is wgmma's A operand (registers), x its B (shared
-memory), and each pair of codes costs two shifts, two logic operations and one bf16x2 multiply that applies
-the block scale. Compiled for sm_90 on the CPU (benchmarks/diag_fp4_sass.py, triton 3.6): 6.1-6.6
+memory), and each pair of codes costs two shifts, three logic operations and one bf16x2 FMA that applies
+the block scale (an FMA with -0 rather than a multiply: ``mul.bf16x2`` needs sm_90, ``fma.bf16x2`` sm_80). Compiled for sm_90 on the CPU (benchmarks/diag_fp4_sass.py, triton 3.6): 6.1-6.6
 instructions a code against decode=2's 7.7-8.2 at the same tiles; measured on an H200, 7-14% faster at M=2-16
 (bench_fp4 --sweep, s28), less than the count says: ncu finds both forms latency-bound at one wave of 3.6
 warps a scheduler (benchmarks/diag_fp4_ncu.py; results/nvidia-h200/2026-11-29-s28-*).
@@ -19,9 +19,10 @@ The numbers (exact wherever a weight fits; the reference is fmt.dequantize):
   below bf16's top); the weight becomes e2m1 * e4m3 * 2^-8, which has at most 6 significant bits and lies
   within [2^-18, 11]: exact. The tensor scale and the 2^8 go onto the fp32 sums at the end. MXFP4: the E8M0
   exponent E gives s' = 2^(E - 127 + 126 - 8), built from E's bits (exponent field E + 118) and capped at inf:
-  the weight is e2m1 * 2^(E - 127 - 8), exact and normal for block scales 2^-117 to 2^9 (weights up to 3072 in
-  magnitude); above that the product is inf, never a quiet wrong value (the fp4 pass checks the range). The
-  2^8 goes onto the sums. (A larger shift would widen the top and move the weights' products 2^8 further
+  the weight is e2m1 * 2^(E - 127 - 8), exact and normal for block scales 2^-117 to 2^9 (weights quantized
+  from magnitudes below 4096); above that the products are inf or NaN, never a quiet wrong value. So MXFP4
+  takes this form only when asked (``decode=3``); by default it stays on decode=2, which takes any scale (on
+  the H200 the two were within 3% for MXFP4, s28). NVFP4 takes any weight here. The 2^8 goes onto the sums. (A larger shift would widen the top and move the weights' products 2^8 further
   towards fp32's subnormals, which the MMA need not keep.)
 - The MMA sums bf16 products in fp32, as cuBLAS does for a bf16 weight.
 On the CPU (Triton's interpreter, no inline asm) the same bits are built in fp32, which has bf16's exponent,
@@ -36,7 +37,6 @@ from ._launch import HAVE_TRITON, tl, triton
 
 SHIFT = tl.constexpr(8) if HAVE_TRITON else 8  # log2 of the factor taken off the weights (E4M3 scales reach 448 < 2^9; E8M0: the range above)
 E8M0_MAX = 127 + 9  # the largest E8M0 byte (block scale 2^9) this form takes
-MXFP4_WEIGHT_LIMIT = 4096.0  # weights from here up get a larger E8M0 scale (OCP: 2^(floor(log2 amax) - 2))
 
 # Pair t (0-3): magnitude bits 4t..4t+2 -> 6-8 and sign bit 4t+3 -> 15 in both halves, times the scale pair.
 _SHIFTS = {3: ("shr.b32 %m, $8, 6;", "mov.b32 %s, $8;"), 2: ("shr.b32 %m, $8, 2;", "shl.b32 %s, $8, 4;"),
@@ -45,11 +45,11 @@ _SHIFTS = {3: ("shr.b32 %m, $8, 6;", "mov.b32 %s, $8;"), 2: ("shr.b32 %m, $8, 2;
 
 def _word_asm() -> str:
     """$0-$7: element t of the word as scaled bf16; $8: the word; $9: the block's scale as bf16 in both halves."""
-    lines = ["{", ".reg .b32 %m, %s, %h;"]
+    lines = ["{", ".reg .b32 %m, %s, %h, %z;", "mov.b32 %z, 0x80008000;"]  # -0 in both halves: x * s - 0 = x * s
     for t in (3, 2, 1, 0):
         mag, sign = _SHIFTS[t]
         lines += [mag, sign, "and.b32 %m, %m, 0x01C001C0;", "and.b32 %s, %s, 0x80008000;", "or.b32 %h, %m, %s;",
-                  "mul.rn.bf16x2 %h, %h, $9;", f"mov.b32 {{${t}, ${t + 4}}}, %h;"]
+                  "fma.rn.bf16x2 %h, %h, $9, %z;", f"mov.b32 {{${t}, ${t + 4}}}, %h;"]
     return "\n".join(lines + ["}"])
 
 

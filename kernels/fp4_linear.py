@@ -14,8 +14,8 @@ The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor 
   Triton; 0: bytes by integer arithmetic and an int-to-float conversion, the slowest), each block times its
   scale, then tl.dot in x's dtype with an fp32 accumulator. ``scaled_dot``: MXFP4 with bf16 activations
   through triton's ``tl.dot_scaled`` (its own conversion; slower than DECODE=2 on the H200). DECODE=3 (bf16
-  activations, the default for them up to M=16): ``_fp4_mma.py``, the words decoded straight to scaled bf16
-  pairs and the weight as the MMA's first operand (MXFP4 block scales up to 2^9 only: weights below 4096).
+  activations, the default for them up to M=16 with NVFP4): ``_fp4_mma.py``, the words decoded straight to
+  scaled bf16 pairs and the weight as the MMA's first operand (MXFP4 only when asked: block scales up to 2^9).
 Small M splits K over several programs (fp32 partial sums added after) so that every SM has work. The NVFP4
 tensor scale is read from memory (no host sync: the call can be captured in a CUDA graph). Figures:
 benchmarks/results/nvidia-h200/2026-11-27-s15-fp4-e0af78f.md (1.5-1.65x bf16 cuBLAS at M=1; M=16 does not pay).
@@ -29,7 +29,7 @@ from torch import Tensor
 from . import _fp4_format as fmt
 from ._fp4_gemv import _fp4_gemv_h2_kernel, _x_at, block_scales, weight_words, x_tile
 from ._fp4_mma import _fp4_mma_kernel
-from ._launch import HAVE_TRITON, INTERPRETED, input_precision, kernel_runs, tl, triton
+from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kernel_runs, tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_format", "_launch")  # what the cost model's tables are keyed by
@@ -201,12 +201,13 @@ GEMV_MAX_M = 1  # up to this M the GEMV form (CUDA cores) by default; past it th
 
 
 def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False, gemv: bool | None = None,
-               gemv_math: str = "f16x2", dtype: torch.dtype | None = None) -> dict:
+               gemv_math: str = "f16x2", dtype: torch.dtype | None = None, e8m0: bool = False) -> dict:
     """Tile sizes, split-K, form and launch settings for an M x N x K product (from bench_fp4 --sweep and the
     GEMV form's diagnosis on an H200, s15 and s27). ``gemv``: the form asked for (None: the GEMV up to
     GEMV_MAX_M); ``gemv_math``: its arithmetic (f16x2: 8 rows a program and 2048 codes a step were the fastest at
-    all three of bench_fp4's shapes, H200 s27); ``dtype``: the activations' (bf16 up to M=16: the bf16-pair
-    MMA form, decode=3, 7-14% faster than decode=2 at M=2-16 on bench_fp4's shapes, H200 s28)."""
+    all three of bench_fp4's shapes, H200 s27); ``dtype``: the activations' (bf16 up to M=16 with NVFP4's E4M3
+    scales: the bf16-pair MMA form, decode=3, 7-14% faster than decode=2 at M=2-16 on bench_fp4's shapes, H200
+    s28; ``e8m0``: MXFP4, whose scales past 2^9 that form cannot take)."""
     if gemv is None:
         gemv = m <= GEMV_MAX_M and not scaled_dot
     if gemv and gemv_math == "f16x2":
@@ -215,7 +216,7 @@ def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False, gem
         narrow = -(-n // 16) < 2 * SMS  # few rows: 8 a program, longer steps along K
         cfg = dict(block_m=1, block_n=8 if narrow else 16, block_k=2048 if narrow else 1024, num_warps=4,
                    num_stages=1, gemv=True)
-    elif m <= 16 and dtype == torch.bfloat16 and not scaled_dot:
+    elif m <= 16 and dtype == torch.bfloat16 and not scaled_dot and not e8m0:
         cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, decode=3)
     elif m <= 16:
         cfg = dict(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)  # also M=1 asked for the dot
@@ -246,6 +247,9 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
         raise ValueError(f"fp4_linear: x has K={x.shape[-1]}, the weight {k}")
     if x.dtype not in DTYPES:
         raise ValueError(f"fp4_linear takes float32, float16 or bfloat16 activations, got {x.dtype}")
+    if x.is_cuda and capability(x.device) < (8, 9):
+        raise ValueError(f"fp4_linear needs compute capability 8.9 (Ada) or newer (Triton converts E4M3 from "
+                         f"there); {x.device} has {'.'.join(map(str, capability(x.device)))}")
     if not kernel_runs(x, DTYPES, needs_3_6_interpreter=True):
         return reference(x, q)
     lead = x.shape[:-1]
@@ -253,7 +257,8 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     m = x2.shape[0]
     asked = config or {}
     math = asked.get("gemv_math", "f32" if x.dtype == torch.float32 else "f16x2")  # f16x2: bf16/fp16 exactly
-    cfg = config_for(m, n, k, q.format.block, asked.get("scaled_dot", False), asked.get("gemv"), math, x.dtype)
+    cfg = config_for(m, n, k, q.format.block, asked.get("scaled_dot", False), asked.get("gemv"), math, x.dtype,
+                     q.format.scale_dtype == "e8m0")
     cfg = {**cfg, "gemv_math": math, **asked}
     bk, split = cfg["block_k"], cfg["split_k"]
     if cfg.get("decode", 2) not in (0, 1, 2, 3):

@@ -76,6 +76,10 @@ def _supports(target, options) -> str | None:
 
     if target.device == "xla":
         return "the fp4 kernel is a Triton kernel for CUDA; XLA devices lower their own matrix products"
+    if target.is_cuda and not target.has_fp8:  # the kernels convert E4M3 scales, which Triton has from sm_89
+        cap = ".".join(map(str, target.capability or ()))
+        return (f"the fp4 kernels need compute capability 8.9 (Ada) or newer (Triton converts E4M3 from there), "
+                f"and {target.name} has {cap or 'an unknown one'}")
     if not target.is_cuda and not (_launch.INTERPRETED and _launch.INTERPRETER_OK):
         return (f"the fp4 kernel runs on CUDA, and on the CPU only in Triton's interpreter (TRITON_INTERPRET=1 "
                 f"before import, triton 3.6 or later); this graph runs on {target.device}")
@@ -134,8 +138,6 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
             why = f"K={shape[1]} input features are not a multiple of {fmt.name}'s block of {fmt.block}"
         if why is None:
             param, index, why = frozen_parameter(operands(node)[1], ctx, (torch.nn.Parameter, Fp4WeightTensor))
-        if why is None:
-            why = _outside_the_kernel(param, fmt, ir.example_value(operands(node)[0]).dtype)
         if why:
             ctx.near_miss(f"{label}: {why}")
             continue
@@ -193,26 +195,6 @@ def count_flops() -> None:
     @register_flop_formula(torch.ops.kpt.fp4_linear)
     def _flops(x_shape, packed_shape, *args, **kwargs) -> int:
         return 2 * math.prod(x_shape) * packed_shape[0]
-
-
-def _outside_the_kernel(param: torch.Tensor, fmt, dtype) -> str | None:
-    """Why the kernel cannot take this weight (None: it can): bf16 activations up to M=16 run the bf16-pair
-    form, whose MXFP4 block scales stop at 2^9 (kernels/_fp4_mma.py; a larger one would give inf)."""
-    from kpt_compiler.kernels import _fp4_mma
-
-    if fmt.scale_dtype != "e8m0" or dtype != torch.bfloat16:
-        return None
-    if isinstance(param, Fp4WeightTensor):  # released: its scales are what there is
-        top = int(param.q.scales.max()) if param.q.format.scale_dtype == "e8m0" else 0
-        if top > _fp4_mma.E8M0_MAX:
-            return (f"a block scale of 2^{top - 127}: MXFP4 block scales past 2^9 are beyond the bf16 kernel's "
-                    "range (kernels/_fp4_mma.py)")
-        return None
-    peak = float(param.detach().abs().amax())
-    if peak >= _fp4_mma.MXFP4_WEIGHT_LIMIT:
-        return (f"a weight of magnitude {peak:.3g}: MXFP4 block scales past 2^9 (weights from "
-                f"{_fp4_mma.MXFP4_WEIGHT_LIMIT:g}) are beyond the bf16 kernel's range; NVFP4 takes it")
-    return None
 
 
 def _decide(ctx: PassContext, label: str, M: int, K: int, N: int, dtype, device, fmt) -> bool:

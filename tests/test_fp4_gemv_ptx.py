@@ -52,10 +52,10 @@ def run(asm: str, regs: dict) -> dict:
             r[a[0]] = get(a[1]) >> int(a[2])
         elif op == "shl.b32":
             r[a[0]] = (get(a[1]) << int(a[2])) & MASK
-        elif op == "mul.rn.bf16x2":
-            x, y = get(a[1]), get(a[2])
-            r[a[0]] = (_to_bf16(_bf16(x & 0xFFFF) * _bf16(y & 0xFFFF))
-                       | _to_bf16(_bf16(x >> 16) * _bf16(y >> 16)) << 16)
+        elif op == "fma.rn.bf16x2":  # one rounding of x * y + z (exact in float64 for bf16 operands)
+            x, y, z = get(a[1]), get(a[2]), get(a[3])
+            r[a[0]] = (_to_bf16(_bf16(x & 0xFFFF) * _bf16(y & 0xFFFF) + _bf16(z & 0xFFFF))
+                       | _to_bf16(_bf16(x >> 16) * _bf16(y >> 16) + _bf16(z >> 16)) << 16)
         elif op == "mov.b32" and a[0].startswith("{"):
             lo, hi = (s.strip() for s in a[0].strip("{}").split(","))
             r[lo], r[hi] = get(a[1]) & 0xFFFF, get(a[1]) >> 16
@@ -147,3 +147,8 @@ def test_a_scale_past_bf16s_top_gives_inf_not_a_finite_value():
     inf_bits = 0x7F80  # what the kernel builds for an E8M0 byte past E8M0_MAX
     values = mma_word(0x76543217, inf_bits)  # codes 7, 1, 2, ..., 7: no zero
     assert all(np.isinf(v) for v in values)
+
+
+def test_zero_codes_keep_their_sign_through_the_fma_with_minus_zero():
+    values = mma_word(0x00000008, _to_bf16(2.0**118))  # code 8 (-0) at nibble 0, +0 elsewhere
+    assert [np.signbit(v) for v in values] == [True] + [False] * 7 and not any(values)

@@ -243,18 +243,23 @@ def test_the_bf16_pair_mma_form_is_exact_over_its_scale_range(f):
     cfg = {"gemv": False, "decode": 3, "block_n": 16, "block_k": 64}
     torch.testing.assert_close(fp4_linear(eye, q, config=cfg).float(), fmt.dequantize(q, torch.bfloat16).float().T,
                                rtol=0, atol=0)
-    if f is fmt.MXFP4:
-        big = fmt.Fp4Weight(f, q.packed, torch.full_like(q.scales, 127 + 10), q.global_scale, (n, k))
-        assert not fp4_linear(eye, big, config=cfg).isfinite().all()
+    if f is fmt.MXFP4:  # bytes 137 (the first past), 138 and 255: s' capped at inf, not wrapped into other bits
+        for byte in (137, 138, 255):
+            big = fmt.Fp4Weight(f, q.packed, torch.full_like(q.scales, byte), q.global_scale, (n, k))
+            assert not fp4_linear(eye, big, config=cfg).isfinite().any(), byte
 
 
-def test_bf16_activations_up_to_m_16_take_the_mma_form_and_only_they_may():
+def test_nvfp4_with_bf16_activations_up_to_m_16_takes_the_mma_form_and_only_it_may():
     from kpt_compiler.kernels.fp4_linear import config_for
 
     assert config_for(16, 4096, 4096, 16, dtype=torch.bfloat16)["decode"] == 3
-    for m, dtype in ((1, torch.bfloat16), (17, torch.bfloat16), (8, torch.float16), (8, None)):
-        assert config_for(m, 4096, 4096, 16, dtype=dtype).get("decode", 2) != 3, (m, dtype)
+    for m, dtype, e8m0 in ((1, torch.bfloat16, False), (17, torch.bfloat16, False), (8, torch.float16, False),
+                           (8, None, False), (8, torch.bfloat16, True)):  # MXFP4: only when asked (its range)
+        assert config_for(m, 4096, 4096, 16, dtype=dtype, e8m0=e8m0).get("decode", 2) != 3, (m, dtype, e8m0)
     assert config_for(8, 4096, 4096, 32, scaled_dot=True, dtype=torch.bfloat16).get("decode", 0) == 0
     q = fmt.quantize(torch.randn(8, 32).to(DEVICE))
-    with pytest.raises(ValueError, match="decode=3 is a dot form for bfloat16 activations"):
-        fp4_linear(torch.randn(2, 32, dtype=torch.float16).to(DEVICE), q, config={"decode": 3})
+    bf16 = torch.randn(2, 32).to(DEVICE, torch.bfloat16)
+    for x, extra in ((torch.randn(2, 32, dtype=torch.float16).to(DEVICE), {}), (torch.randn(2, 32).to(DEVICE), {}),
+                     (bf16, {"gemv": True}), (bf16, {"scaled_dot": True})):
+        with pytest.raises(ValueError, match="decode=3 is a dot form for bfloat16 activations"):
+            fp4_linear(x, q, config={"decode": 3, **extra})
