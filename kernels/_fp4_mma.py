@@ -6,10 +6,11 @@ to bf16: about 8 instructions a code in Triton 3.6's sm_90 loop, and its weight 
 which a Hopper wgmma takes only from shared memory (Triton picks the Ampere MMA instead). Here
 ``acc[n, m] = sum_k w[n, k] x[m, k]``: the decoded weight is wgmma's A operand (registers), x its B (shared
 memory), and each pair of codes costs two shifts, three logic operations and one bf16x2 FMA that applies
-the block scale (an FMA with -0 rather than a multiply: ``mul.bf16x2`` needs sm_90, ``fma.bf16x2`` sm_80). Compiled for sm_90 on the CPU (benchmarks/diag_fp4_sass.py, triton 3.6): 6.1-6.6
-instructions a code against decode=2's 7.7-8.2 at the same tiles; measured on an H200, 7-14% faster at M=2-16
-(bench_fp4 --sweep, s28), less than the count says: ncu finds both forms latency-bound at one wave of 3.6
-warps a scheduler (benchmarks/diag_fp4_ncu.py; results/nvidia-h200/2026-11-29-s28-*).
+the block scale (an FMA with -0 rather than a multiply: ``mul.bf16x2`` needs sm_90, ``fma.bf16x2`` sm_80).
+Compiled for sm_90 on the CPU (benchmarks/diag_fp4_sass.py, triton 3.6): 6.1-6.6 instructions a code
+against decode=2's 7.7-8.2 at the same tiles; measured on an H200, 7-14% faster at M=2-16 (bench_fp4 --sweep,
+s28), less than the count says: ncu finds both forms latency-bound at one wave of 3.6 warps a scheduler
+(benchmarks/diag_fp4_ncu.py; results/nvidia-h200/2026-11-29-s28-*).
 
 The numbers (exact wherever a weight fits; the reference is fmt.dequantize):
 - A code's bf16 bits: sign at bit 15, its 3 magnitude bits at 6-8 of each 16-bit half. As bf16 that is its
@@ -22,8 +23,9 @@ The numbers (exact wherever a weight fits; the reference is fmt.dequantize):
   the weight is e2m1 * 2^(E - 127 - 8), exact and normal for block scales 2^-117 to 2^9 (weights quantized
   from magnitudes below 4096); above that the products are inf or NaN, never a quiet wrong value. So MXFP4
   takes this form only when asked (``decode=3``); by default it stays on decode=2, which takes any scale (on
-  the H200 the two were within 3% for MXFP4, s28). NVFP4 takes any weight here. The 2^8 goes onto the sums. (A larger shift would widen the top and move the weights' products 2^8 further
-  towards fp32's subnormals, which the MMA need not keep.)
+  the H200 the two were within 3% for MXFP4, s28). NVFP4 takes any weight here. The 2^8 goes onto the sums.
+  (A larger shift would widen the top and move the weights' products 2^8 further towards fp32's subnormals,
+  which the MMA need not keep.)
 - The MMA sums bf16 products in fp32, as cuBLAS does for a bf16 weight.
 On the CPU (Triton's interpreter, no inline asm) the same bits are built in fp32, which has bf16's exponent,
 and multiplied there (exact, as on the GPU), and the dot runs in fp32 (the interpreter's bf16 dot is wrong in
@@ -35,8 +37,9 @@ from __future__ import annotations
 from ._fp4_gemv import weight_words, x_tile
 from ._launch import HAVE_TRITON, tl, triton
 
-SHIFT = tl.constexpr(8) if HAVE_TRITON else 8  # log2 of the factor taken off the weights (E4M3 scales reach 448 < 2^9; E8M0: the range above)
-E8M0_MAX = 127 + 9  # the largest E8M0 byte (block scale 2^9) this form takes
+# log2 of the factor taken off the weights (E4M3 scales reach 448 < 2^9; E8M0: the range above)
+SHIFT = tl.constexpr(8) if HAVE_TRITON else 8
+E8M0_MAX = 127 + 9  # the largest E8M0 byte (block scale 2^9) this form takes (the tests probe one past it)
 
 # Pair t (0-3): magnitude bits 4t..4t+2 -> 6-8 and sign bit 4t+3 -> 15 in both halves, times the scale pair.
 _SHIFTS = {3: ("shr.b32 %m, $8, 6;", "mov.b32 %s, $8;"), 2: ("shr.b32 %m, $8, 2;", "shl.b32 %s, $8, 4;"),

@@ -32,7 +32,8 @@ from ._fp4_mma import _fp4_mma_kernel
 from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kernel_runs, tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_format", "_launch")  # what the cost model's tables are keyed by
+# what the cost model's tables are keyed by
+SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_format", "_launch")
 
 
 @triton.jit
@@ -240,8 +241,8 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     """``x`` [..., K] times the fp4 weight [N, K] transposed: [..., N] in x's dtype. ``config`` overrides
     ``config_for`` (keys block_m, block_n, block_k, split_k, num_warps, num_stages; gemv: the CUDA-core form
     (default at M=1), or False for the dot form; gemv_math: the GEMV's arithmetic, "f16x2" (the default for
-    16-bit x) or "f32" (for fp32 x); decode: the dot form's decode, 0-3 (3: bf16 x only, _fp4_mma.py); scaled_dot: MXFP4 with
-    bf16 activations through ``tl.dot_scaled``)."""
+    16-bit x) or "f32" (for fp32 x); decode: the dot form's decode, 0-3 (3: bf16 x only, _fp4_mma.py);
+    scaled_dot: MXFP4 with bf16 activations through ``tl.dot_scaled``)."""
     n, k = q.shape
     if x.shape[-1] != k:
         raise ValueError(f"fp4_linear: x has K={x.shape[-1]}, the weight {k}")

@@ -144,7 +144,7 @@ def test_the_bf16_pair_decode_gives_each_code_times_its_scale_at_every_nibble(t)
 
 
 def test_a_scale_past_bf16s_top_gives_inf_not_a_finite_value():
-    inf_bits = 0x7F80  # what the kernel builds for an E8M0 byte past E8M0_MAX
+    inf_bits = 0x7F80  # what the kernel builds for an E8M0 byte past _fp4_mma.E8M0_MAX (exponent field capped)
     values = mma_word(0x76543217, inf_bits)  # codes 7, 1, 2, ..., 7: no zero
     assert all(np.isinf(v) for v in values)
 

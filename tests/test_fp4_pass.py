@@ -231,8 +231,9 @@ UNCALIBRATED = {("NVIDIA H200", "mxfp4"): "s28: 05a62ef's calibration call ran o
 def test_the_committed_tables_take_decoding_sizes_and_decline_prefill_sizes(monkeypatch, fmt, card):
     """The H200's NVFP4 table (benchmarks/calibrate.py at 05a62ef, 2026-11-29, the GEMV in fp16 pairs, the MMA form
     at M=2-16): at M=1 the kernel read its weights 1.7-1.9x faster than bf16 cuBLAS; at M=256 it is about 3x
-    slower; M=16 does not pay at this shape (N x K 14336x4096). Its MXFP4 table is not there (UNCALIBRATED). The H100's tables measured the kernel before 7193f79 and were removed with it (the H100
-    was not lent since): skipped there until it is calibrated again. Another card has no table."""
+    slower; M=16 does not pay at this shape (N x K 14336x4096). Its MXFP4 table is not there (UNCALIBRATED).
+    The H100's tables measured the kernel before 7193f79 and were removed with it (the H100 was not lent
+    since): skipped there until it is calibrated again. Another card has no table."""
     from kpt_compiler import cost_model as cm
     from kpt_compiler.kernels import fp4_linear
     from kpt_compiler.target import Target
