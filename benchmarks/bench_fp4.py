@@ -130,19 +130,25 @@ DOT_SWEEP += [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
               for bn, bk, st, nw in ((64, 64, 3, 4), (64, 64, 4, 4), (64, 128, 2, 4), (64, 128, 3, 4), (64, 128, 4, 4),
                                      (64, 256, 3, 4), (128, 128, 3, 8), (128, 256, 3, 8)) for sk in (2, 4, 8, 16, 32)]
 
+CUDA_SWEEP = [dict(cuda=True, rw=rw, wk=wk, depth=2, split_k=sk)  # the CUDA C++ form (kernels/_fp4_cuda.py)
+              for rw in (1, 2, 4) for wk in (1, 2, 4, 8) for sk in (1, 2, 4)]
+CUDA_SWEEP += [dict(cuda=True, rw=1, wk=wk, depth=4, split_k=1) for wk in (2, 4, 8)]
+
 
 def family(cfg: dict) -> str:
     """The form a config runs: gemv (CUDA cores; fp16 pairs or fp32 arithmetic), dot with the integer or the bit
     decode, or the scaled dot."""
+    if cfg.get("cuda"):
+        return "cuda"
     if cfg.get("gemv"):
         return f"gemv {cfg.get('gemv_math', 'f16x2')}"
     return "scaled dot" if cfg.get("scaled_dot") else f"dot decode={cfg.get('decode', 2)}"
 
 
 def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "") -> list[dict]:
-    """Every config of GEMV_SWEEP and DOT_SWEEP (small-M forms; NVFP4, or MXFP4 for the scaled dot) at each
-    shape and M: the fastest ``top`` of each form, with the heuristic's own choice (kernels/fp4_linear.config_for)
-    and bf16 beside them. ``forms``: only the forms whose names start so (comma-separated; "" all)."""
+    """Every config of GEMV_SWEEP, DOT_SWEEP and CUDA_SWEEP (small-M forms; NVFP4, or MXFP4 for the scaled dot)
+    at each shape and M: the fastest ``top`` of each form, with the Triton forms' heuristic (``config_for``) and
+    bf16 beside them. ``forms``: only the forms whose names start so (comma-separated; "" all)."""
     from kpt_compiler.kernels.fp4_linear import config_for
 
     out = []
@@ -155,8 +161,8 @@ def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "")
         for m in ms:
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
             t = {}
-            mine = config_for(m, n, k, 16, dtype=torch.bfloat16)
-            configs = [c for c in GEMV_SWEEP + DOT_SWEEP if family(c).startswith(tuple(forms.split(",")))]
+            mine = config_for(m, n, k, 16, dtype=torch.bfloat16)  # the Triton forms' heuristic
+            configs = [c for c in GEMV_SWEEP + DOT_SWEEP + CUDA_SWEEP if family(c).startswith(tuple(forms.split(",")))]
             for cfg in configs + [mine]:
                 key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
                 q = qs[bool(cfg.get("scaled_dot"))]
@@ -213,7 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--rep-ms", type=float, default=200)
     p.add_argument("--shapes", default=None, help="N x K shapes, comma-separated (default: 4096x4096,14336x4096,"
                    "4096x14336)")
-    p.add_argument("--sweep", action="store_true", help="time every small-M config of GEMV_SWEEP and DOT_SWEEP instead")
+    p.add_argument("--sweep", action="store_true",
+                   help="time every small-M config of the GEMV, DOT and CUDA sweeps instead")
     p.add_argument("--forms", default="", help="with --sweep: only these forms (prefixes, e.g. 'gemv')")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: a smoke test of the table on tiny shapes (the eager reference, wall-clock times)")

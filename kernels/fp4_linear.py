@@ -27,13 +27,15 @@ import torch
 from torch import Tensor
 
 from . import _fp4_format as fmt
+from . import _fp4_cuda
 from ._fp4_gemv import _fp4_gemv_h2_kernel, _x_at, block_scales, weight_words, x_tile
 from ._fp4_mma import _fp4_mma_kernel
-from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kernel_runs, tl, triton
+from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kernel_runs, sm_count, tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # what the cost model's tables are keyed by
-SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_format", "_launch")
+SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_cuda", "_fp4_format", "_launch")
+CUDA_KEYS = {"cuda", "nt", "rw", "wk", "depth", "split_k"}  # the CUDA form's config (kernels/_fp4_cuda.py)
 
 
 @triton.jit
@@ -192,6 +194,40 @@ def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     tl.store(y_ptr + rn * stride_yn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
+def cuda_form_fits(x2: Tensor, q: fmt.Fp4Weight, why: list | None = None) -> bool:
+    """Whether the CUDA form (kernels/_fp4_cuda.py) takes this call; the reasons it does not go into ``why``."""
+    reasons = [] if why is None else why
+    ok, reason = _fp4_cuda.available(x2.device) if x2.is_cuda and not INTERPRETED else (
+        False, "the CUDA form runs on NVIDIA GPUs only (not under the Triton interpreter)")
+    if not ok:
+        reasons.append(reason)
+    if q.format is not fmt.NVFP4:
+        reasons.append(f"it takes NVFP4 weights, not {q.format.name}")
+    if x2.dtype != torch.bfloat16:
+        reasons.append(f"it takes bfloat16 activations, not {x2.dtype}")
+    if x2.shape[0] > _fp4_cuda.MAX_M or x2.shape[0] == 0:
+        reasons.append(f"it takes 1 to {_fp4_cuda.MAX_M} rows of x, not {x2.shape[0]}")
+    if x2.shape[1] % _fp4_cuda.CHUNK:
+        reasons.append(f"K must be a multiple of {_fp4_cuda.CHUNK}, not {x2.shape[1]}")
+    return not reasons
+
+
+def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
+    why = []
+    if not cuda_form_fits(x2, q, why):
+        raise ValueError("fp4_linear: config cuda=True cannot run this call: " + "; ".join(why))
+    if set(asked) - CUDA_KEYS:
+        raise ValueError(f"fp4_linear: {sorted(set(asked) - CUDA_KEYS)} are Triton forms' keys; the CUDA form "
+                         f"takes {sorted(CUDA_KEYS)}")
+    m, k = x2.shape
+    cfg = {**_fp4_cuda.config(m, q.shape[0], k, sm_count(x2.device)), **asked}
+    if (cfg["nt"] not in (1, 2) or 8 * cfg["nt"] < m or cfg["depth"] not in (2, 4)
+            or not 1 <= cfg["rw"] * cfg["wk"] <= 32):
+        raise ValueError(f"fp4_linear: CUDA form config {cfg}: nt 1 or 2 (8 nt >= M={m}), depth 2 or 4, "
+                         "rw x wk warps 1-32")
+    return _fp4_cuda.fp4_linear_cuda(x2, q.packed, q.scales.view(torch.uint8), q.global_scale, cfg)
+
+
 def reference(x: Tensor, q: fmt.Fp4Weight) -> Tensor:
     """The eager form: the weight dequantized in full, then a matmul in x's dtype."""
     return x @ fmt.dequantize(q, x.dtype).T
@@ -251,12 +287,14 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     if x.is_cuda and capability(x.device) < (8, 9):
         raise ValueError(f"fp4_linear needs compute capability 8.9 (Ada) or newer (Triton converts E4M3 from "
                          f"there); {x.device} has {'.'.join(map(str, capability(x.device)))}")
-    if not kernel_runs(x, DTYPES, needs_3_6_interpreter=True):
-        return reference(x, q)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     asked = config or {}
+    if asked.get("cuda") or (not asked and cuda_form_fits(x2, q)):  # asked for, or the default where it fits
+        return _cuda_form(x2, q, asked).reshape(*lead, n)
+    if not kernel_runs(x, DTYPES, needs_3_6_interpreter=True):
+        return reference(x, q)
     math = asked.get("gemv_math", "f32" if x.dtype == torch.float32 else "f16x2")  # f16x2: bf16/fp16 exactly
     cfg = config_for(m, n, k, q.format.block, asked.get("scaled_dot", False), asked.get("gemv"), math, x.dtype,
                      q.format.scale_dtype == "e8m0")

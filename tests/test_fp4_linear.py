@@ -263,3 +263,23 @@ def test_nvfp4_with_bf16_activations_up_to_m_16_takes_the_mma_form_and_only_it_m
                      (bf16, {"gemv": True}), (bf16, {"scaled_dot": True})):
         with pytest.raises(ValueError, match="decode=3 is a dot form for bfloat16 activations"):
             fp4_linear(x, q, config={"decode": 3, **extra})
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the refusal on the CPU (tests/gpu has the GPU's)")
+def test_the_cuda_form_is_asked_for_only_where_it_runs_and_says_why_not():
+    # kernels/_fp4_cuda.py runs on NVIDIA GPUs (sm_89+, NVRTC) with NVFP4 weights, bf16 x, M <= 16 and K a
+    # multiple of 128; asked for elsewhere it names each reason, and by default it is never picked here
+    from kpt_compiler.kernels.fp4_linear import cuda_form_fits
+
+    q = fmt.quantize(torch.randn(8, 256))
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    why = []
+    assert not cuda_form_fits(x, q, why) and len(why) == 1 and "NVIDIA GPUs" in why[0]
+    with pytest.raises(ValueError, match="config cuda=True cannot run this call: the CUDA form runs on NVIDIA"):
+        fp4_linear(x, q, config={"cuda": True})
+    why = []
+    assert not cuda_form_fits(torch.randn(17, 416), fmt.quantize(torch.randn(8, 416), fmt.MXFP4), why)
+    for i, part in enumerate(("NVIDIA GPUs", "NVFP4", "bfloat16", "1 to 16 rows", "multiple of 128")):
+        assert part in why[i], why
+    ref = x.float() @ fmt.dequantize(q).T
+    torch.testing.assert_close(fp4_linear(x, q).float(), ref, rtol=2**-7, atol=1e-4)  # a Triton form

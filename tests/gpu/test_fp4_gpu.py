@@ -100,6 +100,52 @@ def test_the_bf16_pair_mma_form_is_exact_over_its_scale_range_in_ptx(f):
             assert not fp4_linear(eye, big, config=cfg).isfinite().any(), byte
 
 
+@pytest.mark.parametrize("M, N, K, cfg", [
+    (1, 4096, 14336, {}), (16, 14336, 4096, {}), (5, 1000, 512, {}), (9, 333, 1024, {"split_k": 3}),
+    (16, 4096, 4096, {"wk": 1, "depth": 2}), (8, 24, 128, {}), (3, 77, 2048, {"wk": 3, "split_k": 2}),
+    (2, 256, 1024, {"nt": 2, "depth": 4}), (16, 14336, 4096, {"rw": 4, "wk": 2}), (5, 1000, 512, {"rw": 2}),
+    (12, 200, 3072, {"rw": 4, "wk": 3, "split_k": 2})])
+def test_the_cuda_form_against_the_dequantized_matmul(M, N, K, cfg):
+    # kernels/_fp4_cuda.py: ragged N and M (rows and tokens past the end read clamped, never stored), one and
+    # two 8-token tiles, several row tiles a block, warps along K that do not divide the chunks, K split
+    # across blocks
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    w = torch.randn(N, K, device="cuda", generator=g) * 0.02
+    x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+    q = fmt.quantize(w, fmt.NVFP4)
+    y = fp4_linear(x, q, config={"cuda": True, **cfg})
+    ref = x.float() @ fmt.dequantize(q).T
+    assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+    # the products are exact and summed in fp32: the error is the output's bf16 rounding
+    torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
+
+
+def test_the_cuda_form_is_exact_over_every_e4m3_scale():
+    # y = I @ w.T = the weight: every code at every nibble, every E4M3 scale byte (subnormals 1-7 too), a
+    # power-of-two tensor scale; 16 rows of the identity a call (the form takes M up to 16)
+    n, k = 48, 512
+    r, j = torch.arange(n, device="cuda")[:, None], torch.arange(k, device="cuda")[None, :]
+    codes = ((r * 7 + j) % 16).to(torch.uint8)
+    scales = torch.arange(1, 127, device="cuda").repeat(13)[:n * (k // 16)].to(torch.uint8).reshape(n, k // 16)
+    q = fmt.Fp4Weight(fmt.NVFP4, fmt.pack(codes), scales.view(torch.float8_e4m3fn),
+                      torch.tensor(2.0**-9, device="cuda"), (n, k))
+    eye = torch.eye(k, device="cuda", dtype=torch.bfloat16)
+    got = torch.cat([fp4_linear(eye[i:i + 16], q, config={"cuda": True}) for i in range(0, k, 16)])
+    torch.testing.assert_close(got.float(), fmt.dequantize(q, torch.bfloat16).float().T, rtol=0, atol=0)
+
+
+def test_the_cuda_form_refuses_what_it_cannot_take():
+    x = torch.randn(4, 512, device="cuda").bfloat16()
+    w = torch.randn(64, 512, device="cuda")
+    for q, xx, what in ((fmt.quantize(w, fmt.MXFP4), x, "NVFP4"), (fmt.quantize(w), x.float(), "bfloat16"),
+                        (fmt.quantize(w), torch.randn(17, 512, device="cuda").bfloat16(), "1 to 16 rows"),
+                        (fmt.quantize(w[:, :400]), x[:, :400], "multiple of 128")):
+        with pytest.raises(ValueError, match=what):
+            fp4_linear(xx, q, config={"cuda": True})
+    with pytest.raises(ValueError, match="Triton forms' keys"):
+        fp4_linear(x, fmt.quantize(w), config={"cuda": True, "block_n": 64})
+
+
 @pytest.mark.parametrize("dtype, scale", [(torch.bfloat16, 1e-36), (torch.bfloat16, 1e-30), (torch.bfloat16, 1.0),
                                           (torch.bfloat16, 3e4), (torch.bfloat16, 1e30), (torch.float16, 1e-3),
                                           (torch.float16, 20.0)])

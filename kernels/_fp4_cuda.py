@@ -1,0 +1,295 @@
+"""fp4_linear's CUDA C++ form (``config={"cuda": True}``): NVFP4 weights, bf16 activations, M up to 16,
+through ``mma.sync`` with the weights decoded in registers; compiled at first use by NVRTC
+(``torch.cuda._compile_kernel``) for the device at hand.
+
+Why a hand-written kernel: the Triton forms spend 6.1-6.6 instructions a code in their sm_90 loop
+(benchmarks/diag_fp4_sass.py) and Triton routes the decoded tile through layout conversions; on an H200 they run
+at one wave of 3.6 warps a scheduler and use a quarter to a third of the memory bandwidth (s28, ncu). Here each
+thread owns its fragment of the MMA outright, so nothing moves between threads: per 128 K a thread decodes 64
+codes (two rows of the weight, 16 bytes each) and feeds them to 8 MMAs per 8 tokens.
+
+The layout is the portable one (kernels/_fp4_format.py: element 2j in byte j's low nibble; an int32 word holds
+elements 8j..8j+7, element 8j + t in bits 4t..4t+3) and the scales are the E4M3 bytes as quantized: nothing is
+repacked, so every other form and the export read the same tensors. What makes that work is that K is a sum:
+any pairing of weight elements with MMA positions is right as long as x's elements take the same positions.
+``y.T = w x.T`` (the weight is the MMA's 16-row A operand, x its 8-column B operand, as in _fp4_mma.py):
+- lane (g, t) (g = lane / 4, t = lane % 4) holds rows g and g + 8 of a 16-row tile and, of each 128-K chunk,
+  elements 32t..32t+31: 16 bytes a row, one 16-byte load each, the four lanes of a row reading 64 contiguous
+  bytes;
+- word j of those (elements 8j'..8j'+7, j' = 4t + j) gives two MMA steps: pairs (0, 4) and (1, 5) of the word
+  as the A registers of step 2j (a0/a2 row g, a1/a3 row g + 8), pairs (2, 6) and (3, 7) of step 2j + 1. A pair
+  is decoded as in _fp4_mma.py: nibbles t and t + 4 sit at the same place in the two 16-bit halves, so one
+  shift per field and one bf16x2 FMA with the block scale give both;
+- x's pairs are built to match: lane (g, t) loads token g's elements 32t..32t+31 (four 16-byte loads) and one
+  byte permute (``prmt``) makes each B register, (x[8j'], x[8j' + 4]) and so on.
+A lane's 32 elements of a row span two NVFP4 blocks (words 0-1 and 2-3), so four scales a chunk per lane:
+``cvt.rn.f16x2.e4m3x2`` converts a row's two E4M3 bytes exactly to fp16, and a shift and an add move fp16's
+exponent to bf16's biased by 118 (s' = scale * 2^118, as _fp4_mma.py: weight * 2^-8, exact). The tensor scale
+and 2^8 go onto the fp32 sums at the end.
+
+Memory: the weight and scale loads of chunk c + DEPTH - 1 are issued before chunk c is decoded (registers as the
+pipeline, ``ld.global.nc.L1::no_allocate``: read once), x's one chunk ahead (it is small and cached). A block's
+WK warps take interleaved chunks of the same 16 rows and add their sums in shared memory; the grid's second axis
+splits K further when there are too few row tiles, its fp32 partial sums added after (as the Triton forms do).
+Requirements (checked by the caller): K a multiple of 128, NVFP4, bf16 x, compute capability 8.9 or newer
+(``cvt`` from E4M3).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from ._launch import capability
+
+CHUNK = 128  # K elements per lane-group step: 4 lanes x 32 elements
+MAX_M = 16  # two 8-token MMA column tiles
+
+SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b) {  // a * b - 0: the exact product (sm_80's FMA)
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+template <int SEL> __device__ __forceinline__ u32 prmt(u32 a, u32 b) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "n"(SEL));
+  return d;
+}
+
+// Pair T of word w (nibbles T and T + 4: the low and high halves) as bf16 code bits (value * 2^-126), times s.
+// w8 = w >> 8 brings pairs 2 and 3 to the places of 0 and 1. The pair's two nibbles are isolated, and one multiply
+// by 2^a + 2^b (a = 6 - 4T', b = 12 - 4T') puts the magnitude at 6-8 and the sign at 15 of each half (the other
+// copies land on bits 9 and 12-14, which the mask clears; the copies do not overlap, so the sum carries nothing).
+template <int T> __device__ __forceinline__ u32 pair(u32 w, u32 w8, u32 s) {
+  const u32 v = T == 0 ? (w & 0x000F000Fu) : T == 1 ? (w & 0x00F000F0u) : T == 2 ? (w8 & 0x000F000Fu)
+                                                                                : (w8 & 0x00F000F0u);
+  return fma_bf16x2((v * ((T & 1) ? 0x104u : 0x1040u)) & 0x81C081C0u, s);
+}
+
+// Two E4M3 scale bytes (the first in the low byte) -> each as bf16 s' = scale * 2^118 in both halves.
+__device__ __forceinline__ void scale_pairs(u32 raw, u32 &first, u32 &second) {
+  u32 h;
+  asm("{\n.reg .b16 r;\ncvt.u16.u32 r, %1;\ncvt.rn.f16x2.e4m3x2 %0, r;\n}" : "=r"(h) : "r"(raw));
+  // fp16 2^(e-15) (1 + f) -> bf16 exponent field e + 230 = (e - 15) + 118 + 127, mantissa's top 7 bits
+  u32 b = ((h >> 3) & 0x0FFF0FFFu) + 0x73007300u;
+  first = prmt<0x1010>(b, 0u);
+  second = prmt<0x3232>(b, 0u);
+}
+
+__device__ __forceinline__ void mma(float *c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint4 load_stream(const u32 *p) {  // weights: read once, not kept in L1
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 load_cached(const uint4 *p) {  // x: read by every row tile, kept in L1
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u16 to_bf16(float v) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+  return r;
+}
+
+// NT: 8-token column tiles (M <= 8 NT); RW: 16-row tiles a block (one warp each), whose warps read the same x
+// (from L1 after the first); WK: warps along K a row tile; DEPTH: chunks of weights in flight.
+template <int NT, int RW, int WK, int DEPTH>
+__global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
+    const u16 *__restrict__ x, const u32 *__restrict__ w, const unsigned char *__restrict__ s,
+    const float *__restrict__ gs, void *__restrict__ y, int M, int N, int K, int chunks_per_split,
+    int stride_xm, int stride_wn, int stride_sn, int stride_ys, int stride_ym, int out_f32) {
+  const int lane = threadIdx.x & 31, rw = (threadIdx.x >> 5) % RW, warp = (threadIdx.x >> 5) / RW;
+  const int g = lane >> 2, t = lane & 3;
+  const int r_lo = (blockIdx.x * RW + rw) * 16 + g, r_hi = r_lo + 8;
+  // Rows past N and tokens past M read the last row or token instead: their sums are never stored.
+  const long long c_lo = r_lo < N ? r_lo : N - 1, c_hi = r_hi < N ? r_hi : N - 1;
+  const int nchunks = K / 128;
+  const int first = blockIdx.y * chunks_per_split + warp;
+  const u32 *w_lo = w + c_lo * stride_wn + 4 * t + 16 * first;  // chunk first + WK i: + 16 WK i words
+  const u32 *w_hi = w + c_hi * stride_wn + 4 * t + 16 * first;
+  const unsigned char *s_lo = s + c_lo * stride_sn + 2 * t + 8 * first;  // + 8 WK i bytes
+  const unsigned char *s_hi = s + c_hi * stride_sn + 2 * t + 8 * first;
+  const uint4 *x_row[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const long long tok = nt * 8 + g < M ? nt * 8 + g : M - 1;
+    x_row[nt] = (const uint4 *)(x + tok * stride_xm + 32 * t) + 16 * first;  // + 16 WK i
+  }
+  const int end_ = (int)(blockIdx.y + 1) * chunks_per_split, end = end_ < nchunks ? end_ : nchunks;
+  const int count = first < end ? (end - first + WK - 1) / WK : 0;  // this warp's chunks: first + WK i
+
+  float acc[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+  uint4 wb[DEPTH][2];
+  u32 sb[DEPTH][2];
+  uint4 xb[2][NT][4];
+
+  // The loads of a warp's chunk i0 + P (P a compile-time offset) from pointers advanced by DEPTH chunks a turn
+  // of the loop below, so that their offsets are immediates.
+#define LOAD_W(slot, P)                                                                        \
+  if (i0 + (P) < count) {                                                                      \
+    wb[slot][0] = load_stream(w_lo + 16 * WK * (P));                                           \
+    wb[slot][1] = load_stream(w_hi + 16 * WK * (P));                                           \
+    sb[slot][0] = *(const u16 *)(s_lo + 8 * WK * (P));                                         \
+    sb[slot][1] = *(const u16 *)(s_hi + 8 * WK * (P));                                         \
+  }
+#define LOAD_X(slot, P)                                                                        \
+  if (i0 + (P) < count) {                                                                      \
+    _Pragma("unroll") for (int nt = 0; nt < NT; ++nt)                                          \
+      _Pragma("unroll") for (int q = 0; q < 4; ++q)                                            \
+        xb[slot][nt][q] = load_cached(x_row[nt] + 16 * WK * (P) + q);                          \
+  }
+
+  int i0 = 0;
+#pragma unroll
+  for (int p = 0; p < DEPTH - 1; ++p) { LOAD_W(p, p) }
+  LOAD_X(0, 0)
+  for (; i0 < count; i0 += DEPTH) {
+#pragma unroll
+    for (int p = 0; p < DEPTH; ++p) {
+      if (i0 + p < count) {
+        LOAD_W((p + DEPTH - 1) % DEPTH, p + DEPTH - 1)
+        LOAD_X((p + 1) % 2, p + 1)
+        u32 sl0, sl1, sh0, sh1;  // row g (lo) and g + 8 (hi), the lane's first and second block
+        scale_pairs(sb[p][0], sl0, sl1);
+        scale_pairs(sb[p][1], sh0, sh1);
+        const u32 wl[4] = {wb[p][0].x, wb[p][0].y, wb[p][0].z, wb[p][0].w};
+        const u32 wh[4] = {wb[p][1].x, wb[p][1].y, wb[p][1].z, wb[p][1].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u32 sl = j < 2 ? sl0 : sl1, sh = j < 2 ? sh0 : sh1;
+          const u32 l8 = wl[j] >> 8, h8 = wh[j] >> 8;
+          const u32 a0 = pair<0>(wl[j], l8, sl), a1 = pair<0>(wh[j], h8, sh), a2 = pair<1>(wl[j], l8, sl),
+                    a3 = pair<1>(wh[j], h8, sh);
+          const u32 e0 = pair<2>(wl[j], l8, sl), e1 = pair<2>(wh[j], h8, sh), e2 = pair<3>(wl[j], l8, sl),
+                    e3 = pair<3>(wh[j], h8, sh);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint4 v = xb[p % 2][nt][j];  // x[8j'..8j'+7] as pairs (0,1) (2,3) (4,5) (6,7)
+            mma(acc[nt], a0, a1, a2, a3, prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z));
+            mma(acc[nt], e0, e1, e2, e3, prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
+          }
+        }
+      }
+    }
+    w_lo += 16 * WK * DEPTH;
+    w_hi += 16 * WK * DEPTH;
+    s_lo += 8 * WK * DEPTH;
+    s_hi += 8 * WK * DEPTH;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) x_row[nt] += 16 * WK * DEPTH;
+  }
+#undef LOAD_W
+#undef LOAD_X
+
+  if (WK > 1) {  // the warps of a row tile add their sums; the first stores
+    __shared__ float red[WK][RW][NT * 4][32];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) red[warp][rw][nt * 4 + e][lane] = acc[nt][e];
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int v = 1; v < WK; ++v)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] += red[v][rw][nt * 4 + e][lane];
+  }
+  const float f = 256.f * gs[0];  // the decode's 2^-8 and the tensor scale
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int tok = nt * 8 + 2 * t + (e & 1), row = e < 2 ? r_lo : r_hi;
+      if (tok < M && row < N) {  // the sums of clamped rows and tokens are dropped here
+        const long long at = (long long)tok * stride_ym + row;
+        if (out_f32)
+          ((float *)y)[(long long)blockIdx.y * stride_ys + at] = acc[nt][e] * f;
+        else
+          ((u16 *)y)[at] = to_bf16(acc[nt][e] * f);
+      }
+    }
+}
+"""
+
+
+def config(m: int, n: int, k: int, sms: int = 132) -> dict:
+    """Warps along K (WK): the most, up to 8, that keep the grid within about 16 warps an SM (what fits at the
+    kernel's 86-121 registers) and at least 2 chunks a warp; then a split of K across blocks while there are
+    fewer than 8 warps an SM. One row tile a block, 2 chunks of weights in flight a warp. From bench_fp4
+    --sweep --forms cuda on an H200 (s29): the fastest config at 4096x4096, 14336x4096 and 4096x14336, M = 1,
+    4, 8 and 16, was this one or within 2% of it (several row tiles a block, 4 chunks in flight and a split of
+    K were slower there)."""
+    chunks = k // CHUNK
+    tiles = -(-n // 16)
+    wk = 1
+    while wk < 8 and tiles * wk * 2 <= 16 * sms and chunks >= 4 * wk:
+        wk *= 2
+    split = 1
+    while tiles * split * wk < 8 * sms and chunks // (split * 2) >= 2 * wk:
+        split *= 2
+    return dict(cuda=True, nt=1 if m <= 8 else 2, rw=1, wk=wk, depth=2, split_k=split)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(nt: int, rw: int, wk: int, depth: int, device_index: int):
+    with torch.cuda.device(device_index):
+        return torch.cuda._compile_kernel(SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}>",
+                                          nvcc_options=["-std=c++17"])
+
+
+def available(device: torch.device) -> tuple[bool, str]:
+    """Whether the CUDA form can run on ``device``, and why not."""
+    if device.type != "cuda" or torch.version.cuda is None:
+        return False, "the CUDA form runs on NVIDIA GPUs only"
+    if capability(device) < (8, 9):
+        return False, "the CUDA form converts E4M3 scales with sm_89's cvt"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return False, f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    return True, ""
+
+
+def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Tensor, cfg: dict) -> Tensor:
+    """``x2`` [M, K] bf16 (K-contiguous) times the NVFP4 weight (packed [N, K/2] uint8, scales [N, K/16]
+    E4M3 bytes, both row-major) transposed: [M, N] bf16."""
+    m, k = x2.shape
+    n = packed.shape[0]
+    if k % CHUNK or m > MAX_M or m > 8 * cfg["nt"]:
+        raise ValueError(f"fp4_linear's CUDA form takes K a multiple of {CHUNK} and M up to {8 * cfg['nt']} "
+                         f"(nt={cfg['nt']}); got M={m}, K={k}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+    w = packed.contiguous().view(torch.int32)
+    s = scales.contiguous()
+    chunks = k // CHUNK
+    split = min(cfg["split_k"], chunks)
+    per_split = -(-chunks // split)
+    split = -(-chunks // per_split)
+    out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else torch.bfloat16, device=x2.device)
+    kernel = _kernel(cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], x2.device.index or 0)
+    gs = global_scale.reshape(1).float()
+    kernel(grid=(-(-n // (16 * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
+           args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
+                 out.stride(0), out.stride(1), int(split > 1)])
+    return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)
