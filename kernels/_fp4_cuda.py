@@ -252,11 +252,33 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     return dict(cuda=True, nt=1 if m <= 8 else 2, rw=1, wk=wk, depth=2, split_k=split)
 
 
+def _key(cfg: dict, device_index: int) -> tuple:
+    return cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], device_index
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(nt: int, rw: int, wk: int, depth: int, device_index: int):
     with torch.cuda.device(device_index):
-        return torch.cuda._compile_kernel(SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}>",
-                                          nvcc_options=["-std=c++17"])
+        kernel = torch.cuda._compile_kernel(SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}>",
+                                            nvcc_options=["-std=c++17"])
+    _COMPILED.add((nt, rw, wk, depth, device_index))
+    return kernel
+
+
+_COMPILED: set = set()
+
+
+def compiled(cfg: dict, device: torch.device) -> bool:
+    """Whether ``cfg``'s kernel is loaded on ``device``: loading one (NVRTC, then a module load) inside a CUDA
+    graph capture would break the capture, so the default path takes a Triton form there instead."""
+    return _key(cfg, device.index or 0) in _COMPILED
+
+
+def prepare(n: int, k: int, device: torch.device, sms: int) -> None:
+    """Compile the kernels the default config picks for an N x K weight at every M up to MAX_M (one and two
+    8-token tiles): the fp4 pass calls this when it compiles a graph, outside any capture."""
+    for m in (8, MAX_M):
+        _kernel(*_key(config(m, n, k, sms), device.index or 0))
 
 
 def available(device: torch.device) -> tuple[bool, str]:
@@ -287,7 +309,7 @@ def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Te
     per_split = -(-chunks // split)
     split = -(-chunks // per_split)
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else torch.bfloat16, device=x2.device)
-    kernel = _kernel(cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], x2.device.index or 0)
+    kernel = _kernel(*_key(cfg, x2.device.index or 0))
     gs = global_scale.reshape(1).float()
     kernel(grid=(-(-n // (16 * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
            args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),

@@ -212,6 +212,24 @@ def cuda_form_fits(x2: Tensor, q: fmt.Fp4Weight, why: list | None = None) -> boo
     return not reasons
 
 
+def _loaded_or_not_capturing(x2: Tensor, q: fmt.Fp4Weight) -> bool:
+    """The default takes the CUDA form inside a CUDA graph capture only where its kernel is loaded already
+    (loading one there breaks the capture); ``prepare_cuda_form`` loads them when the fp4 pass compiles."""
+    if not torch.cuda.is_current_stream_capturing():
+        return True
+    return _fp4_cuda.compiled(_fp4_cuda.config(x2.shape[0], q.shape[0], q.shape[1], sm_count(x2.device)), x2.device)
+
+
+def prepare_cuda_form(n: int, k: int, dtype: torch.dtype, device: torch.device, f: fmt.Fp4Format) -> bool:
+    """Load the CUDA form's kernels for an N x K weight where the default would take it (see
+    ``_loaded_or_not_capturing``); whether it did."""
+    probe = torch.empty((1, k), dtype=dtype, device=device)
+    if not cuda_form_fits(probe, fmt.Fp4Weight(f, probe, probe, probe, (n, k))):
+        return False
+    _fp4_cuda.prepare(n, k, device, sm_count(device))
+    return True
+
+
 def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
     why = []
     if not cuda_form_fits(x2, q, why):
@@ -291,8 +309,8 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     asked = config or {}
-    if asked.get("cuda") or (not asked and cuda_form_fits(x2, q)):  # asked for, or the default where it fits
-        return _cuda_form(x2, q, asked).reshape(*lead, n)
+    if asked.get("cuda") or (not asked and cuda_form_fits(x2, q) and _loaded_or_not_capturing(x2, q)):
+        return _cuda_form(x2, q, asked).reshape(*lead, n)  # asked for, or the default where it fits
     if not kernel_runs(x, DTYPES, needs_3_6_interpreter=True):
         return reference(x, q)
     math = asked.get("gemv_math", "f32" if x.dtype == torch.float32 else "f16x2")  # f16x2: bf16/fp16 exactly

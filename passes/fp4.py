@@ -159,6 +159,8 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
                 new = ir.emit(gm.graph, torch.add, (op, b), like=node)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
+        # the CUDA form's kernels are loaded now, outside any CUDA graph capture (kernels/fp4_linear.py)
+        kernel.prepare_cuda_form(N, K, xv.dtype, xv.device, fmt)
         exact = param.dequantize() if released else param.detach()
         exact = exact.t() if transposed else exact
         ctx.check_locally(node.name, op, lambda x, *_, w=exact: F.linear(x, w))  # the guard's figure, bias aside
