@@ -1,13 +1,16 @@
 """Instructions a code in the fp4 GEMVs' main loops, read from sm_90 machine code compiled on the CPU (no GPU).
 
     PYTHONPATH=<site-packages of triton 3.6> python -m benchmarks.diag_fp4_sass [--out FILE]
+    python -m benchmarks.diag_fp4_sass --cuda [--out FILE]     (the CUDA form only: nvcc on PATH)
 
 Triton lays tiles out differently from one version to the next (s27: 3.9 and 3.6 differed), so compile with the
 GPU machine's (3.6: ``python3 -m venv /tmp/v36 && /tmp/v36/bin/pip install triton==3.6.0``, then its
 site-packages first on PYTHONPATH). For each kernel and tile (NVFP4, bf16 activations, whole steps, unit
 strides as the launch specializes them): the longest loop of the SASS (nvdisasm over the cubin), its
 instructions over the codes a thread decodes per step, and the commonest opcodes. A count, not a time: what
-the card does with them (latency, pipes) is bench_fp4's to measure.
+the card does with them (latency, pipes) is bench_fp4's to measure. ``--cuda``: the CUDA C++ form
+(kernels/_fp4_cuda.py) at the configs its heuristic picks, compiled by nvcc for sm_90 (the GPU compiles it
+with NVRTC, the same compiler's front end); its loop runs DEPTH chunks of 64 codes a thread.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kpt_compiler.kernels import _fp4_gemv, _fp4_mma, fp4_linear
+from kpt_compiler.kernels import _fp4_cuda, _fp4_gemv, _fp4_mma, fp4_linear
 
 KERNELS = {"f16x2": _fp4_gemv._fp4_gemv_h2_kernel, "f32": fp4_linear._fp4_gemv_kernel,
            "mma (decode=3)": _fp4_mma._fp4_mma_kernel, "dot (decode=2)": fp4_linear._fp4_linear_kernel}
@@ -58,6 +61,21 @@ def sass(math: str, block_n: int, block_k: int, warps: int) -> str:
         return subprocess.run([str(nvdisasm), "-c", f.name], check=True, capture_output=True, text=True).stdout
 
 
+CUDA_CONFIGS = [(1, 1, 8, 2), (1, 1, 2, 2), (2, 1, 8, 2), (1, 1, 8, 4)]  # nt, rw, wk, depth
+
+
+def cuda_sass(nt: int, rw: int, wk: int, depth: int) -> str:
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    args = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.cu").write_text(_fp4_cuda.SOURCE + f"template __global__ void fp4_mma_sync<{nt}, {rw}, {wk}, "
+                                      f"{depth}>({args});\n")
+        subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", f"{d}/k.cubin", f"{d}/k.cu"],
+                       check=True, capture_output=True, text=True)
+        return subprocess.run([str(nvdisasm), "-c", f"{d}/k.cubin"], check=True, capture_output=True,
+                              text=True).stdout
+
+
 def loop_counts(text: str) -> tuple[int, collections.Counter]:
     """The longest backward branch's body: its instruction count and opcodes."""
     lines = text.splitlines()
@@ -72,10 +90,20 @@ def loop_counts(text: str) -> tuple[int, collections.Counter]:
     return sum(ops.values()), ops
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="also write the table to this file")
-    args = p.parse_args(argv)
+def cuda_rows() -> list:
+    nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    rows = [f"{nvcc}, sm_90, NVFP4, bf16 x; loop = the longest loop's instructions (DEPTH chunks)",
+            "| nt, rw, wk, depth | loop instructions | codes a thread a loop | instructions a code | "
+            "commonest opcodes |", "| --- | --- | --- | --- | --- |"]
+    for cfg in CUDA_CONFIGS:
+        n, ops = loop_counts(cuda_sass(*cfg))
+        codes = 64 * cfg[3]
+        rows.append(f"| {', '.join(map(str, cfg))} | {n} | {codes} | {n / codes:.2f} | "
+                    + ", ".join(f"{o} {c}" for o, c in ops.most_common(6)) + " |")
+    return rows
+
+
+def triton_rows() -> list:
     rows = [f"triton {triton.__version__}, sm_90, NVFP4, bf16 x; loop = the longest loop's instructions",
             "| form | block_n, block_k, warps | loop instructions | codes a thread a step | instructions a code | "
             "commonest opcodes |", "| --- | --- | --- | --- | --- | --- |"]
@@ -85,6 +113,15 @@ def main(argv=None) -> int:
             codes = bn * bk // (32 * warps)
             rows.append(f"| {math} | {bn}, {bk}, {warps} | {n} | {codes} | {n / codes:.2f} | "
                         + ", ".join(f"{o} {c}" for o, c in ops.most_common(6)) + " |")
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="also write the table to this file")
+    p.add_argument("--cuda", action="store_true", help="the CUDA form only (nvcc)")
+    args = p.parse_args(argv)
+    rows = cuda_rows() if args.cuda else triton_rows()
     table = "\n".join(rows)
     print(table)
     if args.out:
