@@ -17,9 +17,13 @@ any pairing of weight elements with MMA positions is right as long as x's elemen
   elements 32t..32t+31: 16 bytes a row, one 16-byte load each, the four lanes of a row reading 64 contiguous
   bytes;
 - word j of those (elements 8j'..8j'+7, j' = 4t + j) gives two MMA steps: pairs (0, 4) and (1, 5) of the word
-  as the A registers of step 2j (a0/a2 row g, a1/a3 row g + 8), pairs (2, 6) and (3, 7) of step 2j + 1. A pair
-  is decoded as in _fp4_mma.py: nibbles t and t + 4 sit at the same place in the two 16-bit halves, so one
-  shift per field and one bf16x2 FMA with the block scale give both;
+  as the A registers of step 2j (a0/a2 row g, a1/a3 row g + 8), pairs (2, 6) and (3, 7) of step 2j + 1.
+  Nibbles t and t + 4 sit at the same place in the two 16-bit halves, so a pair decodes in both halves at once
+  to bf16 code bits (value * 2^-126, as _fp4_mma.py): the pair's nibbles isolated (one AND; pairs 2 and 3 from
+  the word shifted by 8), one multiply by 2^a + 2^b that puts a copy of each nibble where its magnitude and
+  where its sign belong, one AND that keeps those bits, one bf16x2 FMA with -0 by the block scale (ptxas makes
+  it an HMUL2). With the x permutes, 3.0 instructions a code in ptxas's loop at one token tile, 3.5 at two
+  (``python -m benchmarks.diag_fp4_sass --cuda``, nvcc 13.0, results/sm90-compiled/2026-11-29-s29-*);
 - x's pairs are built to match: lane (g, t) loads token g's elements 32t..32t+31 (four 16-byte loads) and one
   byte permute (``prmt``) makes each B register, (x[8j'], x[8j' + 4]) and so on.
 A lane's 32 elements of a row span two NVFP4 blocks (words 0-1 and 2-3), so four scales a chunk per lane:
@@ -28,11 +32,20 @@ exponent to bf16's biased by 118 (s' = scale * 2^118, as _fp4_mma.py: weight * 2
 and 2^8 go onto the fp32 sums at the end.
 
 Memory: the weight and scale loads of chunk c + DEPTH - 1 are issued before chunk c is decoded (registers as the
-pipeline, ``ld.global.nc.L1::no_allocate``: read once), x's one chunk ahead (it is small and cached). A block's
-WK warps take interleaved chunks of the same 16 rows and add their sums in shared memory; the grid's second axis
-splits K further when there are too few row tiles, its fp32 partial sums added after (as the Triton forms do).
+pipeline, ``ld.global.nc.L1::no_allocate``: read once), x's one chunk ahead (it is small and cached). Rows past
+N and tokens past M read the last row or token (their sums are never stored), so no load is predicated. A
+block holds RW row tiles (one warp each, sharing x through L1) times WK warps that take interleaved chunks of
+the same rows and add their sums in shared memory; the grid's second axis splits K further when there are too
+few row tiles, its fp32 partial sums added after (as the Triton forms do). ``config`` picks them (measured on
+an H200, s29: one row tile a block and 2 chunks in flight were the fastest).
+Loading a kernel (NVRTC, then a module load) inside a CUDA graph capture would break the capture: ``prepare``
+loads the configs a weight will use when the fp4 pass compiles, and fp4_linear's default takes a Triton form
+in a capture where the kernel is not loaded.
 Requirements (checked by the caller): K a multiple of 128, NVFP4, bf16 x, compute capability 8.9 or newer
 (``cvt`` from E4M3).
+
+Figures (H200, s29, ``benchmarks/results/nvidia-h200/2026-11-29-s29-README.md``): 2.1-2.2x bf16 cuBLAS at M=1
+and 4, 1.2-1.6x at M=16 on bench_fp4's shapes; the weights read at 1.5-2.3 TB/s.
 """
 
 from __future__ import annotations
