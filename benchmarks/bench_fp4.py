@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from kpt_compiler.bench import git_commit, relative_error, timing_ms
+from kpt_compiler.kernels import _fp4_cuda
 from kpt_compiler.kernels import _fp4_format as fmt
+from kpt_compiler.kernels._launch import sm_count
 from kpt_compiler.kernels.fp4_linear import GEMV_MAX_M, fp4_linear
 from kpt_compiler.lossy_guard import sqnr_db
 
@@ -147,8 +149,8 @@ def family(cfg: dict) -> str:
 
 def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "") -> list[dict]:
     """Every config of GEMV_SWEEP, DOT_SWEEP and CUDA_SWEEP (small-M forms; NVFP4, or MXFP4 for the scaled dot)
-    at each shape and M: the fastest ``top`` of each form, with the Triton forms' heuristic (``config_for``) and
-    bf16 beside them. ``forms``: only the forms whose names start so (comma-separated; "" all)."""
+    at each shape and M: the fastest ``top`` of each form, with the Triton forms' heuristic (``config_for``), the
+    CUDA form's own pick (``_fp4_cuda.config``, the default where it runs) and bf16 beside them. ``forms``: only the forms whose names start so (comma-separated; "" all)."""
     from kpt_compiler.kernels.fp4_linear import config_for
 
     out = []
@@ -162,8 +164,12 @@ def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "")
             x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
             t = {}
             mine = config_for(m, n, k, 16, dtype=torch.bfloat16)  # the Triton forms' heuristic
-            configs = [c for c in GEMV_SWEEP + DOT_SWEEP + CUDA_SWEEP if family(c).startswith(tuple(forms.split(",")))]
-            for cfg in configs + [mine]:
+            # the CUDA form's own pick (the default where it runs), timed beside it
+            pick = _fp4_cuda.config(m, n, k, sm_count(x.device)) if device == "cuda" and m <= _fp4_cuda.MAX_M \
+                and k % _fp4_cuda.CHUNK == 0 else None
+            configs = [c for c in GEMV_SWEEP + DOT_SWEEP + CUDA_SWEEP
+                       if family(c).startswith(tuple(forms.split(",")))]
+            for cfg in configs + [mine] + ([pick] if pick else []):
                 key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
                 q = qs[bool(cfg.get("scaled_dot"))]
                 try:
@@ -180,9 +186,12 @@ def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "")
                 key = ",".join(f"{a}={b}" for a, b in sorted(cfg.items()))
                 by_form.setdefault(family(cfg), []).append(key)
             best = {f: [(c, t[c]) for c in sorted(keys, key=t.get)[:top]] for f, keys in by_form.items()}
+            pick_key = pick and ",".join(f"{a}={b}" for a, b in sorted(pick.items()))
             out.append({"N": n, "K": k, "M": m, "bf16_ms": bf16, "heuristic": mine_key,
-                        "heuristic_ms": t[mine_key], "best": best})
-            print(f"{n}x{k} M={m}: bf16 {bf16:.4f} ms, heuristic {t[mine_key]:.4f} ms; best: " +
+                        "heuristic_ms": t[mine_key], "cuda_default": pick_key,
+                        "cuda_default_ms": t.get(pick_key), "best": best})
+            print(f"{n}x{k} M={m}: bf16 {bf16:.4f} ms, heuristic {t[mine_key]:.4f} ms, CUDA default "
+                  f"{t.get(pick_key, float('nan')):.4f} ms; best: " +
                   "; ".join(f"[{f}] {c} {v:.4f}" for f, b in best.items() for c, v in b), flush=True)
     return out
 

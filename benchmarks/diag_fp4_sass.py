@@ -1,7 +1,8 @@
 """Instructions a code in the fp4 GEMVs' main loops, read from sm_90 machine code compiled on the CPU (no GPU).
 
     PYTHONPATH=<site-packages of triton 3.6> python -m benchmarks.diag_fp4_sass [--out FILE]
-    python -m benchmarks.diag_fp4_sass --cuda [--out FILE]     (the CUDA form only: nvcc on PATH)
+    python -m benchmarks.diag_fp4_sass --cuda [--out FILE]     (the CUDA form only: nvcc on PATH, and triton for
+                                                               its nvdisasm)
 
 Triton lays tiles out differently from one version to the next (s27: 3.9 and 3.6 differed), so compile with the
 GPU machine's (3.6: ``python3 -m venv /tmp/v36 && /tmp/v36/bin/pip install triton==3.6.0``, then its
@@ -9,14 +10,16 @@ site-packages first on PYTHONPATH). For each kernel and tile (NVFP4, bf16 activa
 strides as the launch specializes them): the longest loop of the SASS (nvdisasm over the cubin), its
 instructions over the codes a thread decodes per step, and the commonest opcodes. A count, not a time: what
 the card does with them (latency, pipes) is bench_fp4's to measure. ``--cuda``: the CUDA C++ form
-(kernels/_fp4_cuda.py) at the configs its heuristic picks, compiled by nvcc for sm_90 (the GPU compiles it
-with NVRTC, the same compiler's front end); its loop runs DEPTH chunks of 64 codes a thread.
+(kernels/_fp4_cuda.py) at the configs its heuristic picks (and DEPTH 4 beside them), compiled by nvcc for sm_90,
+with ptxas's register counts; its loop runs DEPTH chunks of 64 codes a thread. The GPU builds it otherwise (NVRTC
+to PTX, the driver to SASS), so these counts stand in for the card's, not read there.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import re
 import subprocess
 import tempfile
@@ -61,19 +64,21 @@ def sass(math: str, block_n: int, block_k: int, warps: int) -> str:
         return subprocess.run([str(nvdisasm), "-c", f.name], check=True, capture_output=True, text=True).stdout
 
 
-CUDA_CONFIGS = [(1, 1, 8, 2), (1, 1, 2, 2), (2, 1, 8, 2), (1, 1, 8, 4)]  # nt, rw, wk, depth
+CUDA_CONFIGS = [(1, 1, 8, 2), (1, 1, 2, 2), (2, 1, 8, 2), (1, 1, 8, 4)]  # nt, rw, wk, depth (the last: not picked)
 
 
-def cuda_sass(nt: int, rw: int, wk: int, depth: int) -> str:
+def cuda_sass(nt: int, rw: int, wk: int, depth: int) -> tuple[str, int]:
+    """The SASS of one config and its registers (ptxas -v)."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     args = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "k.cu").write_text(_fp4_cuda.SOURCE + f"template __global__ void fp4_mma_sync<{nt}, {rw}, {wk}, "
                                       f"{depth}>({args});\n")
-        subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-o", f"{d}/k.cubin", f"{d}/k.cu"],
-                       check=True, capture_output=True, text=True)
+        built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
+                                f"{d}/k.cubin", f"{d}/k.cu"], check=True, capture_output=True, text=True)
+        registers = int(re.search(r"Used (\d+) registers", built.stderr).group(1))
         return subprocess.run([str(nvdisasm), "-c", f"{d}/k.cubin"], check=True, capture_output=True,
-                              text=True).stdout
+                              text=True).stdout, registers
 
 
 def loop_counts(text: str) -> tuple[int, collections.Counter]:
@@ -91,14 +96,19 @@ def loop_counts(text: str) -> tuple[int, collections.Counter]:
 
 
 def cuda_rows() -> list:
+    from kpt_compiler.bench import git_commit
+
     nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    rows = [f"{nvcc}, sm_90, NVFP4, bf16 x; loop = the longest loop's instructions (DEPTH chunks)",
-            "| nt, rw, wk, depth | loop instructions | codes a thread a loop | instructions a code | "
-            "commonest opcodes |", "| --- | --- | --- | --- | --- |"]
+    rows = [f"# The CUDA form's loop, compiled on the CPU ({datetime.date.today()}, commit {git_commit()})", "",
+            "- command: `python -m benchmarks.diag_fp4_sass --cuda`",
+            f"- {nvcc}, sm_90, NVFP4, bf16 x; loop = the longest loop's instructions (DEPTH chunks)", "",
+            "| nt, rw, wk, depth | registers | loop instructions | codes a thread a loop | instructions a code | "
+            "commonest opcodes |", "| --- | --- | --- | --- | --- | --- |"]
     for cfg in CUDA_CONFIGS:
-        n, ops = loop_counts(cuda_sass(*cfg))
+        text, registers = cuda_sass(*cfg)
+        n, ops = loop_counts(text)
         codes = 64 * cfg[3]
-        rows.append(f"| {', '.join(map(str, cfg))} | {n} | {codes} | {n / codes:.2f} | "
+        rows.append(f"| {', '.join(map(str, cfg))} | {registers} | {n} | {codes} | {n / codes:.2f} | "
                     + ", ".join(f"{o} {c}" for o, c in ops.most_common(6)) + " |")
     return rows
 
