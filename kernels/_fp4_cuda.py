@@ -2,8 +2,8 @@
 through ``mma.sync`` with the weights decoded in registers; compiled at first use by NVRTC
 (``torch.cuda._compile_kernel``) for the device at hand.
 
-Why a hand-written kernel: the Triton forms spend 6.1-6.6 instructions a code in their sm_90 loop
-(benchmarks/diag_fp4_sass.py) and Triton routes the decoded tile through layout conversions; on an H200 they run
+Why a hand-written kernel: the Triton MMA form spends 6.1-6.6 instructions a code in its sm_90 loop and the dot
+form 7.7-8.2 (benchmarks/diag_fp4_sass.py) and Triton routes the decoded tile through layout conversions; on an H200 they run
 at one wave of 3.6 warps a scheduler and use a quarter to a third of the memory bandwidth (s28, ncu). Here each
 thread owns its fragment of the MMA outright, so nothing moves between threads: per 128 K a thread decodes 64
 codes (two rows of the weight, 16 bytes each) and feeds them to 8 MMAs per 8 tokens.
@@ -44,8 +44,8 @@ in a capture where the kernel is not loaded.
 Requirements (checked by the caller): K a multiple of 128, NVFP4, bf16 x, compute capability 8.9 or newer
 (``cvt`` from E4M3).
 
-Figures (H200, s29, ``benchmarks/results/nvidia-h200/2026-11-29-s29-README.md``): 2.1-2.2x bf16 cuBLAS at M=1
-and 4, 1.2-1.6x at M=16 on bench_fp4's shapes; the weights read at 1.5-2.3 TB/s.
+Figures (H200, s29, ``benchmarks/results/nvidia-h200/2026-11-29-s29-README.md``): 1.9-2.2x bf16 cuBLAS at M=1
+and 4, 1.2-1.6x at M=16 on bench_fp4's shapes; the weights read at 1.5-2.3 TB/s at M=1-4, 1.1-1.4 at M=16.
 """
 
 from __future__ import annotations
@@ -249,10 +249,11 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Warps along K (WK): the most, up to 8, that keep the grid within about 16 warps an SM (what fits at the
-    kernel's 86-121 registers) and at least 2 chunks a warp; then a split of K across blocks while there are
+    kernel's 86-121 registers, benchmarks/results/sm90-compiled/2026-11-29-s29-fp4-cuda-sass-*) and at least 2
+    chunks a warp; then a split of K across blocks while there are
     fewer than 8 warps an SM. One row tile a block, 2 chunks of weights in flight a warp. From bench_fp4
     --sweep --forms cuda on an H200 (s29): the fastest config at 4096x4096, 14336x4096 and 4096x14336, M = 1,
-    4, 8 and 16, was this one or within 2% of it (several row tiles a block, 4 chunks in flight and a split of
+    4, 8 and 16, was this one or within 2.4% of it (several row tiles a block, 4 chunks in flight and a split of
     K were slower there)."""
     chunks = k // CHUNK
     tiles = -(-n // 16)

@@ -3,7 +3,7 @@
 
 On NVIDIA GPUs from sm_89, NVFP4 weights with bf16 activations at M=1-16 and K a multiple of 128 take the CUDA
 C++ form by default (``config={"cuda": True}``, kernels/_fp4_cuda.py: mma.sync with each lane decoding its own
-fragment, 2.1-2.2x bf16 at M=1-4 on an H200). Everything else takes the Triton forms below.
+fragment, 1.9-2.2x bf16 at M=1-4 on an H200). Everything else takes the Triton forms below.
 
 The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor scale). Two forms:
 - GEMV (M=1 by default): CUDA cores. The packed bytes are read as int32 words of 8 codes and decoded by bit
