@@ -3,8 +3,9 @@ through ``mma.sync`` with the weights decoded in registers; compiled at first us
 (``torch.cuda._compile_kernel``) for the device at hand.
 
 Why a hand-written kernel: the Triton MMA form spends 6.1-6.6 instructions a code in its sm_90 loop and the dot
-form 7.7-8.2 (benchmarks/diag_fp4_sass.py) and Triton routes the decoded tile through layout conversions; on an H200 they run
-at one wave of 3.6 warps a scheduler and use a quarter to a third of the memory bandwidth (s28, ncu). Here each
+form 7.7-8.2 (benchmarks/diag_fp4_sass.py), and Triton routes the decoded tile through layout conversions; on an
+H200 they run at one wave of 3.6 warps a scheduler and use a quarter to a third of the memory bandwidth (s28,
+ncu). Here each
 thread owns its fragment of the MMA outright, so nothing moves between threads: per 128 K a thread decodes 64
 codes (two rows of the weight, 16 bytes each) and feeds them to 8 MMAs per 8 tokens.
 
