@@ -150,7 +150,8 @@ def family(cfg: dict) -> str:
 def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "") -> list[dict]:
     """Every config of GEMV_SWEEP, DOT_SWEEP and CUDA_SWEEP (small-M forms; NVFP4, or MXFP4 for the scaled dot)
     at each shape and M: the fastest ``top`` of each form, with the Triton forms' heuristic (``config_for``), the
-    CUDA form's own pick (``_fp4_cuda.config``, the default where it runs) and bf16 beside them. ``forms``: only the forms whose names start so (comma-separated; "" all)."""
+    CUDA form's own pick (``_fp4_cuda.config``, the default where it runs) and bf16 beside them. ``forms``: only
+    the forms whose names start so (comma-separated; "" all)."""
     from kpt_compiler.kernels.fp4_linear import config_for
 
     out = []

@@ -231,9 +231,9 @@ UNCALIBRATED: dict = {}  # (card, format) -> why its table is missing (s28's H20
 def test_the_committed_tables_take_decoding_sizes_and_decline_prefill_sizes(monkeypatch, fmt, card):
     """The H200's tables (benchmarks/calibrate.py at a224583, 2026-11-29, committed in 84d5802): NVFP4 through the
     CUDA form at M=1-16, 1.96-2.06x bf16 cuBLAS at M=1-4 and 1.23x at M=16 at this shape (N x K 14336x4096);
-    MXFP4 through the Triton forms, 1.79x at M=1 and 0.87x at M=16 here. At M=256 both are about 3x slower. The H100's tables
-    measured the kernel before 7193f79 and were removed with it (the H100 was not lent since): skipped there
-    until it is calibrated again. Another card has no table."""
+    MXFP4 through the Triton forms, 1.79x at M=1 and 0.87x at M=16 here. At M=256 both are about 3x slower. The
+    H100's tables measured the kernel before 7193f79 and were removed with it (the H100 was not lent since): skipped
+    there until it is calibrated again. Another card has no table."""
     from kpt_compiler import cost_model as cm
     from kpt_compiler.kernels import fp4_linear
     from kpt_compiler.target import Target
