@@ -337,6 +337,26 @@ def _fake_captures(monkeypatch, mb: float):
     return bg, made
 
 
+def test_a_capture_joins_the_shared_pool_only_while_a_graph_holds_it(monkeypatch):
+    # torch asserts when a capture joins a pool whose graphs were all let go but which still holds blocks: the
+    # graphs share one pool while any of them lives, and a new pool is taken once none does
+    from kpt_compiler.passes import _bucket_graphs as bg
+
+    handles = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
+    graphs = bg.BucketGraphs(bg.CaptureSettings("always", 1.0, None, lambda s: None), False)
+    first = graphs._pool_for_capture()
+    graphs.graphs["a"] = object()
+    assert graphs._pool_for_capture() == first  # shared while a graph holds it
+    graphs.graphs.clear()  # let go (max_pool_mb)
+    second = graphs._pool_for_capture()
+    assert second != first
+    graphs.by_address["b"] = {(1,): object()}  # a graph that writes its inputs, by address
+    assert graphs._pool_for_capture() == second
+    graphs.by_address["b"].clear()
+    assert graphs._pool_for_capture() not in (first, second)
+
+
 @pytest.mark.parametrize("max_pool_mb", [None, 100.0])
 def test_a_written_input_at_new_addresses_gets_its_own_graph_and_old_ones_make_room(monkeypatch, max_pool_mb):
     # a static cache per generate() call: the graph is keyed by the written inputs' addresses; a new cache is
