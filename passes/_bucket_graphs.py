@@ -271,11 +271,9 @@ class BucketGraphs:
         return _Captured(graph, buffers, in_place, outputs, max(grown, 0.0), checked, copied=copied)
 
     def _pool_for_capture(self):
-        """The graphs' shared pool, or a new one where none of this object's graphs holds it any more. A pool all of
-        whose graphs were let go (max_pool_mb, _make_room) can still hold blocks, a cuBLAS workspace made inside a
-        capture for instance, which stay cached: torch then asserts (``use_count > 0``) when a capture joins that
-        pool. Our reading of the GPU suite's failures at 85bd8cc and a224583 (s29), where the memory-cap test,
-        which lets its first capture go, is listed first; not yet run on a GPU."""
+        """The shared pool, or a new one once none of our graphs holds it: a pool whose graphs were all let go
+        (max_pool_mb, _make_room) may keep blocks (a workspace made in a capture), and torch asserts
+        ``use_count > 0`` when a capture joins it (s29's GPU-suite failures, our reading; not yet GPU-run)."""
         if self.pool is None or not (self.graphs or any(self.by_address.values())):
             self.pool = torch.cuda.graph_pool_handle()
         return self.pool
