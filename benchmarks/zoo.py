@@ -76,11 +76,12 @@ CPU_ZOO: tuple[Entry, ...] = (
     Entry("gpt2-eager", "gpt2", {"attn": "eager", "n_layer": 1}, (Case("inference", 1, 32, quick=True),)),
     # the full suite on the CPU (not run by CI): whole models at CPU-sized shapes, for the promise that kpt by
     # default is not slower than Inductor on the CPU either (about 20 minutes on 2 cores, compiles included)
-    Entry("gpt2-eager-12", "gpt2", {"attn": "eager"}, (Case("inference", 1, 128),)),
+    Entry("gpt2-eager-12", "gpt2", {"attn": "eager"}, (Case("inference", 1, 128), Case("inference", 1, 1024))),
     Entry("gpt2-sdpa-12", "gpt2", {"attn": "sdpa"}, (Case("inference", 1, 128),)),
     Entry("bert-eager", "bert", {"attn": "eager"}, (Case("inference", 4, 128),)),
     Entry("bert-sdpa", "bert", {"attn": "sdpa"}, (Case("inference", 4, 128),)),
-    Entry("llama-eager", "llama", {"attn": "eager"}, (Case("inference", 1, 128), Case("training", 1, 128))),
+    Entry("llama-eager", "llama", {"attn": "eager"}, (Case("inference", 1, 128), Case("training", 1, 128),
+                                                      Case("inference", 1, 1024))),
     Entry("t5-encoder-sdpa", "t5-encoder", {"attn": "sdpa"}, (Case("inference", 2, 128),)),
     Entry("vit-sdpa", "vit", {"attn": "sdpa"}, (Case("inference", 1, 224),), image=True),
 )
