@@ -81,7 +81,7 @@ CPU_ZOO: tuple[Entry, ...] = (
     Entry("bert-eager", "bert", {"attn": "eager"}, (Case("inference", 4, 128),)),
     Entry("bert-sdpa", "bert", {"attn": "sdpa"}, (Case("inference", 4, 128),)),
     Entry("llama-eager", "llama", {"attn": "eager"}, (Case("inference", 1, 128), Case("training", 1, 128),
-                                                      Case("inference", 1, 1024))),
+                                                      Case("inference", 1, 1024), Case("training", 1, 1024))),
     Entry("t5-encoder-sdpa", "t5-encoder", {"attn": "sdpa"}, (Case("inference", 2, 128),)),
     Entry("vit-sdpa", "vit", {"attn": "sdpa"}, (Case("inference", 1, 224),), image=True),
 )
