@@ -77,8 +77,8 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
                    help="skip the rows that would end past this (default: 4.5 quick, 9 full)")
     p.add_argument("--rep-ms", type=float, default=None, help="timing budget per row (default: 1000 cuda, 200 cpu)")
     p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
-                   help="after each inference case, compile its modes again and time them in turn, ROUNDS times "
-                        "(for rows the host bounds, whose drift over a run is larger than the modes' difference)")
+                   help="after each case (training cases: on the CPU only), compile its modes again and time them "
+                        "in turn, ROUNDS times (for rows whose drift over a run is larger than the modes' difference)")
     p.add_argument("--save", action="store_true", help="also copy the JSON and table into benchmarks/results/<card>/")
     return p.parse_args(argv)
 
@@ -266,11 +266,13 @@ def _interleave(model, inputs, ref, entry: Entry, case: Case, modes: dict, case_
     ran = {m: modes[m] for m, row in case_rows.items() if row["status"] == "ok" and m in modes}
     if len(ran) < 2:
         return
-    if case.task == "training":
+    if case.task == "training" and device == "cuda":
         # On the H100 (2026-11-26, results/nvidia-h100-80gb-hbm3/2026-11-26-s9-interleaved-f2dbb46.md) training
         # steps timed in turn came out alike for every mode (llama-eager 4x1024: 15.7-16.0 ms for Inductor, kpt
         # and kpt[fp8], against 14.2, 10.2 and 10.3 ms with 0.1-0.3% noise timed one after another): switching
-        # between compiled training graphs costs more than the graphs differ. Until that is understood, none.
+        # between compiled training graphs costs more than the graphs differ. Until that is understood, none on
+        # CUDA. On the CPU (2026-11-29) in-turn rounds kept the modes apart (llama-eager 1x1024 training:
+        # results/cpu/2026-11-29-s30-cpu-train-interleaved-*.md).
         print(f"  in turn: {entry.name} training not timed in turn (training steps timed in turn came out "
               "alike for every mode on the H100; see benchmarks/run.py)", flush=True)
         return
