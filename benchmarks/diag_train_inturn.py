@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="steps per mode per round (their median is the round's)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--forms", default="shared,copies", help="the forms to time, in this order")
     args = p.parse_args(argv)
     zoo = CUDA_ZOO if args.device == "cuda" else CPU_ZOO
     entry = next(e for e in zoo if e.name == args.model)
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference(model, inputs, True)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"# {args.model} training {args.batch}x{args.seq}, {card}, torch {torch.__version__}, commit {git_commit()}")
-    print(f"# {args.rounds} rounds x {args.steps} steps per mode; median ms over rounds; Inductor / mode per round")
-    for form in ("shared", "copies"):
+    print(f"# forms {args.forms}; {args.rounds} rounds x {args.steps} steps per mode; median ms over rounds; Inductor / mode per round")
+    for form in args.forms.split(","):
         times = time_form(model, inputs, ref, args.device, form == "shared", args.rounds, args.steps)
         for m, ms in times.items():
             ratios = [a / b for a, b in zip(times["inductor"], ms)]
