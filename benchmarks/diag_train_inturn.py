@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = reference(model, inputs, True)
     card = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"# {args.model} training {args.batch}x{args.seq}, {card}, torch {torch.__version__}, commit {git_commit()}")
-    print(f"# forms {args.forms}; {args.rounds} rounds x {args.steps} steps per mode; median ms over rounds; Inductor / mode per round")
+    print(f"# forms {args.forms}; {args.rounds} rounds x {args.steps} steps per mode; median ms over rounds; "
+          "Inductor / mode per round")
     for form in args.forms.split(","):
         times = time_form(model, inputs, ref, args.device, form == "shared", args.rounds, args.steps)
         for m, ms in times.items():

@@ -159,9 +159,10 @@ def interleaved(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: 
                                         accumulated_recompile_limit=max(256, 4 * len(modes)))
     with torch.set_grad_enabled(training), limits:
         for mode, kwargs in modes.items():
-            # training: each mode its own copy of the model (the same weights). In an ad-hoc A/B on the CPU
-            # (2026-11-29, not kept) kpt's llama step ranked below Inductor with one shared module and above it
-            # with copies; the H100's alike-for-every-mode rounds (run.py's note) may be that, not checked there
+            # training: each mode its own copy of the model (the same weights), so no mode's state (gradients,
+            # Dynamo's cache entries on the module) is another's. Whether sharing skewed the rounds is not settled:
+            # on the CPU it seemed to, then not when the forms swapped order (benchmarks/diag_train_inturn.py and
+            # results/cpu/2026-11-29-s30-diag-train-inturn-*.txt); the H100's alike rounds are not checked
             own = copy.deepcopy(model) if training else model
             with fresh_caches() if kwargs else contextlib.nullcontext():
                 steps[mode] = make_step(own, inputs, ref, training, kwargs, device)
