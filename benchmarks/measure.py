@@ -142,7 +142,8 @@ def make_step(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, training
 
 
 def interleaved(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: Case,
-                modes: dict[str, dict | None], device: str, rounds: int, rep_ms: float) -> dict[str, dict]:
+                modes: dict[str, dict | None], device: str, rounds: int, rep_ms: float,
+                share_model: bool = False) -> dict[str, dict]:
     """Each mode compiled once and kept, then timed in turn, ``rounds`` times, the order rotated each round.
 
     For rows the host bounds (a small model's training step without CUDA graphs: the GPU waits for Python),
@@ -162,8 +163,9 @@ def interleaved(model: torch.nn.Module, inputs: tuple, ref: torch.Tensor, case: 
             # training: each mode its own copy of the model (the same weights), so no mode's state (gradients,
             # Dynamo's cache entries on the module) is another's. Whether sharing skewed the rounds is not settled:
             # on the CPU it seemed to, then not when the forms swapped order (benchmarks/diag_train_inturn.py and
-            # results/cpu/2026-11-29-s30-diag-train-inturn-*.txt); the H100's alike rounds are not checked
-            own = copy.deepcopy(model) if training else model
+            # results/cpu/2026-11-29-s30-diag-train-inturn-*.txt); the H100's alike rounds are not checked.
+            # share_model=True: the old form, for that diagnostic
+            own = copy.deepcopy(model) if training and not share_model else model
             with fresh_caches() if kwargs else contextlib.nullcontext():
                 steps[mode] = make_step(own, inputs, ref, training, kwargs, device)
                 steps[mode]()  # compiles forward and backward

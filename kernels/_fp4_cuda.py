@@ -5,9 +5,8 @@ through ``mma.sync`` with the weights decoded in registers; compiled at first us
 Why a hand-written kernel: the Triton MMA form spends 6.1-6.6 instructions a code in its sm_90 loop and the dot
 form 7.7-8.2 (benchmarks/diag_fp4_sass.py), and Triton routes the decoded tile through layout conversions; on an
 H200 they run at one wave of 3.6 warps a scheduler and use a quarter to a third of the memory bandwidth (s28,
-ncu). Here each
-thread owns its fragment of the MMA outright, so nothing moves between threads: per 128 K a thread decodes 64
-codes (two rows of the weight, 16 bytes each) and feeds them to 8 MMAs per 8 tokens.
+ncu). Here each thread owns its fragment of the MMA outright, so nothing moves between threads: per 128 K a
+thread decodes 64 codes (two rows of the weight, 16 bytes each) and feeds them to 8 MMAs per 8 tokens.
 
 The layout is the portable one (kernels/_fp4_format.py: element 2j in byte j's low nibble; an int32 word holds
 elements 8j..8j+7, element 8j + t in bits 4t..4t+3) and the scales are the E4M3 bytes as quantized: nothing is
@@ -251,8 +250,7 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Warps along K (WK): the most, up to 8, that keep the grid within about 16 warps an SM (what fits at the
     kernel's 86-121 registers, benchmarks/results/sm90-compiled/2026-11-29-s29-fp4-cuda-sass-*) and at least 2
-    chunks a warp; then a split of K across blocks while there are
-    fewer than 8 warps an SM. One row tile a block, 2 chunks of weights in flight a warp. From bench_fp4
+    chunks a warp; then a split of K across blocks while there are fewer than 8 warps an SM. One row tile a block, 2 chunks of weights in flight a warp. From bench_fp4
     --sweep --forms cuda on an H200 (s29): the fastest config at 4096x4096, 14336x4096 and 4096x14336, M = 1,
     4, 8 and 16, was this one or within 2.4% of it (several row tiles a block, 4 chunks in flight and a split of
     K were slower there)."""
