@@ -39,6 +39,10 @@ block holds RW row tiles (one warp each, sharing x through L1) times WK warps th
 the same rows and add their sums in shared memory; the grid's second axis splits K further when there are too
 few row tiles, its fp32 partial sums added after (as the Triton forms do). ``config`` picks them (measured on
 an H200, s29: one row tile a block and 2 chunks in flight were the fastest).
+``config={"async": True}`` sends the weights through shared memory instead (``cp.async.cg`` into a ring of
+DEPTH chunks a warp, read back by the lane that copied them, so no barrier): the bytes in flight then hold no
+registers (79-84 registers at DEPTH 4-6 against 86 for the register pipeline at DEPTH 2, nvcc 13.0 for sm_90),
+so more of them can be in flight per SM. Written in session 29 after its GPU time was spent: not yet run.
 Loading a kernel (NVRTC, then a module load) inside a CUDA graph capture would break the capture: ``prepare``
 loads the configs a weight will use when the fp4 pass compiles, and fp4_linear's default takes a Triton form
 in a capture where the kernel is not loaded.
@@ -123,9 +127,63 @@ __device__ __forceinline__ u16 to_bf16(float v) {
   return r;
 }
 
+__device__ __forceinline__ unsigned shared_address(const void *p) {
+  unsigned a;
+  asm("{\n.reg .u64 g;\ncvta.to.shared.u64 g, %1;\ncvt.u32.u64 %0, g;\n}" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {  // weights: L2 only, then shared
+  const unsigned a = shared_address(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+}
+
+__device__ __forceinline__ uint4 load_shared(const uint4 *p) {
+  uint4 v;
+  const unsigned a = shared_address(p);
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a)
+               : "memory");
+  return v;
+}
+
+// One chunk of 128 K: the lane's words of rows g (lo) and g + 8 (hi), their two scale bytes each, and x's
+// 32 elements per token tile, into 8 MMAs per token tile.
+template <int NT>
+__device__ __forceinline__ void chunk_mma(float (&acc)[NT][4], const uint4 lo, const uint4 hi, u32 s_lo, u32 s_hi,
+                                          const uint4 (&xv)[NT][4]) {
+  u32 sl0, sl1, sh0, sh1;  // row g (lo) and g + 8 (hi), the lane's first and second block
+  scale_pairs(s_lo, sl0, sl1);
+  scale_pairs(s_hi, sh0, sh1);
+  const u32 wl[4] = {lo.x, lo.y, lo.z, lo.w};
+  const u32 wh[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u32 sl = j < 2 ? sl0 : sl1, sh = j < 2 ? sh0 : sh1;
+    const u32 l8 = wl[j] >> 8, h8 = wh[j] >> 8;
+    const u32 a0 = pair<0>(wl[j], l8, sl), a1 = pair<0>(wh[j], h8, sh), a2 = pair<1>(wl[j], l8, sl),
+              a3 = pair<1>(wh[j], h8, sh);
+    const u32 e0 = pair<2>(wl[j], l8, sl), e1 = pair<2>(wh[j], h8, sh), e2 = pair<3>(wl[j], l8, sl),
+              e3 = pair<3>(wh[j], h8, sh);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint4 v = xv[nt][j];  // x[8j'..8j'+7] as pairs (0,1) (2,3) (4,5) (6,7)
+      mma(acc[nt], a0, a1, a2, a3, prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z));
+      mma(acc[nt], e0, e1, e2, e3, prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
+    }
+  }
+}
+
 // NT: 8-token column tiles (M <= 8 NT); RW: 16-row tiles a block (one warp each), whose warps read the same x
-// (from L1 after the first); WK: warps along K a row tile; DEPTH: chunks of weights in flight.
-template <int NT, int RW, int WK, int DEPTH>
+// (from L1 after the first); WK: warps along K a row tile; DEPTH: chunks of weights in flight (DEPTH - 1 ahead
+// of the one decoded); ASYNC: 0, the weights' loads go to registers; 1, to a ring of DEPTH chunks a warp in
+// shared memory (cp.async: bytes in flight that hold no registers). The scales go to registers either way.
+template <int NT, int RW, int WK, int DEPTH, int ASYNC>
 __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
     const u16 *__restrict__ x, const u32 *__restrict__ w, const unsigned char *__restrict__ s,
     const float *__restrict__ gs, void *__restrict__ y, int M, int N, int K, int chunks_per_split,
@@ -153,19 +211,27 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  uint4 wb[DEPTH][2];
+  uint4 wb[ASYNC ? 1 : DEPTH][2];
   u32 sb[DEPTH][2];
   uint4 xb[2][NT][4];
+  extern __shared__ uint4 ring_all[];  // ASYNC: DEPTH chunks a warp, [slot][row lo, hi][lane]
+  uint4 *ring = ring_all + (threadIdx.x >> 5) * DEPTH * 64;
 
   // The loads of a warp's chunk i0 + P (P a compile-time offset) from pointers advanced by DEPTH chunks a turn
   // of the loop below, so that their offsets are immediates.
 #define LOAD_W(slot, P)                                                                        \
   if (i0 + (P) < count) {                                                                      \
-    wb[slot][0] = load_stream(w_lo + 16 * WK * (P));                                           \
-    wb[slot][1] = load_stream(w_hi + 16 * WK * (P));                                           \
+    if (ASYNC) {                                                                               \
+      cp_async16(ring + (slot) * 64 + lane, w_lo + 16 * WK * (P));                             \
+      cp_async16(ring + (slot) * 64 + 32 + lane, w_hi + 16 * WK * (P));                        \
+    } else {                                                                                   \
+      wb[slot][0] = load_stream(w_lo + 16 * WK * (P));                                         \
+      wb[slot][1] = load_stream(w_hi + 16 * WK * (P));                                         \
+    }                                                                                          \
     sb[slot][0] = *(const u16 *)(s_lo + 8 * WK * (P));                                         \
     sb[slot][1] = *(const u16 *)(s_hi + 8 * WK * (P));                                         \
-  }
+  }                                                                                            \
+  if (ASYNC) cp_async_commit();  /* a group every turn, empty or not: wait_group counts them */
 #define LOAD_X(slot, P)                                                                        \
   if (i0 + (P) < count) {                                                                      \
     _Pragma("unroll") for (int nt = 0; nt < NT; ++nt)                                          \
@@ -183,25 +249,12 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
       if (i0 + p < count) {
         LOAD_W((p + DEPTH - 1) % DEPTH, p + DEPTH - 1)
         LOAD_X((p + 1) % 2, p + 1)
-        u32 sl0, sl1, sh0, sh1;  // row g (lo) and g + 8 (hi), the lane's first and second block
-        scale_pairs(sb[p][0], sl0, sl1);
-        scale_pairs(sb[p][1], sh0, sh1);
-        const u32 wl[4] = {wb[p][0].x, wb[p][0].y, wb[p][0].z, wb[p][0].w};
-        const u32 wh[4] = {wb[p][1].x, wb[p][1].y, wb[p][1].z, wb[p][1].w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const u32 sl = j < 2 ? sl0 : sl1, sh = j < 2 ? sh0 : sh1;
-          const u32 l8 = wl[j] >> 8, h8 = wh[j] >> 8;
-          const u32 a0 = pair<0>(wl[j], l8, sl), a1 = pair<0>(wh[j], h8, sh), a2 = pair<1>(wl[j], l8, sl),
-                    a3 = pair<1>(wh[j], h8, sh);
-          const u32 e0 = pair<2>(wl[j], l8, sl), e1 = pair<2>(wh[j], h8, sh), e2 = pair<3>(wl[j], l8, sl),
-                    e3 = pair<3>(wh[j], h8, sh);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint4 v = xb[p % 2][nt][j];  // x[8j'..8j'+7] as pairs (0,1) (2,3) (4,5) (6,7)
-            mma(acc[nt], a0, a1, a2, a3, prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z));
-            mma(acc[nt], e0, e1, e2, e3, prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
-          }
+        if (ASYNC) {  // this chunk's group has landed once at most DEPTH - 1 later ones are pending
+          cp_async_wait<DEPTH - 1>();
+          chunk_mma<NT>(acc, load_shared(ring + p * 64 + lane), load_shared(ring + p * 64 + 32 + lane),
+                        sb[p][0], sb[p][1], xb[p % 2]);
+        } else {
+          chunk_mma<NT>(acc, wb[p][0], wb[p][1], sb[p][0], sb[p][1], xb[p % 2]);
         }
       }
     }
@@ -268,16 +321,24 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
 
 
 def _key(cfg: dict, device_index: int) -> tuple:
-    return cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], device_index
+    return cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), device_index
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int, rw: int, wk: int, depth: int, device_index: int):
+def _kernel(nt: int, rw: int, wk: int, depth: int, asynchronous: int, device_index: int):
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}>",
+        kernel = torch.cuda._compile_kernel(SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}, {asynchronous}>",
                                             nvcc_options=["-std=c++17"])
-    _COMPILED.add((nt, rw, wk, depth, device_index))
+        ring = ring_bytes(rw, wk, depth, asynchronous)
+        if ring > 48 * 1024:
+            kernel.set_shared_memory_config(ring)
+    _COMPILED.add((nt, rw, wk, depth, asynchronous, device_index))
     return kernel
+
+
+def ring_bytes(rw: int, wk: int, depth: int, asynchronous: int) -> int:
+    """The async form's shared memory: DEPTH chunks of two rows' 16 bytes a lane, a warp each."""
+    return rw * wk * depth * 2 * 32 * 16 if asynchronous else 0
 
 
 _COMPILED: set = set()
@@ -327,6 +388,7 @@ def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Te
     kernel = _kernel(*_key(cfg, x2.device.index or 0))
     gs = global_scale.reshape(1).float()
     kernel(grid=(-(-n // (16 * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
+           shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False))),
            args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
                  out.stride(0), out.stride(1), int(split > 1)])
     return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)

@@ -104,11 +104,13 @@ def test_the_bf16_pair_mma_form_is_exact_over_its_scale_range_in_ptx(f):
     (1, 4096, 14336, {}), (16, 14336, 4096, {}), (5, 1000, 512, {}), (9, 333, 1024, {"split_k": 3}),
     (16, 4096, 4096, {"wk": 1, "depth": 2}), (8, 24, 128, {}), (3, 77, 2048, {"wk": 3, "split_k": 2}),
     (2, 256, 1024, {"nt": 2, "depth": 4}), (16, 14336, 4096, {"rw": 4, "wk": 2}), (5, 1000, 512, {"rw": 2}),
-    (12, 200, 3072, {"rw": 4, "wk": 3, "split_k": 2})])
+    (12, 200, 3072, {"rw": 4, "wk": 3, "split_k": 2}), (16, 14336, 4096, {"async": True, "depth": 4}),
+    (1, 4096, 14336, {"async": True, "depth": 6}), (9, 333, 1024, {"async": True, "split_k": 3, "depth": 8}),
+    (5, 1000, 512, {"async": True, "wk": 3, "depth": 2})])
 def test_the_cuda_form_against_the_dequantized_matmul(M, N, K, cfg):
     # kernels/_fp4_cuda.py: ragged N and M (rows and tokens past the end read clamped, never stored), one and
     # two 8-token tiles, several row tiles a block, warps along K that do not divide the chunks, K split
-    # across blocks
+    # across blocks, the weights through shared memory (async) with rings of 2 to 8 chunks
     g = torch.Generator(device="cuda").manual_seed(M + N)
     w = torch.randn(N, K, device="cuda", generator=g) * 0.02
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
