@@ -332,6 +332,10 @@ def _kernel(nt: int, rw: int, wk: int, depth: int, asynchronous: int, device_ind
         ring = ring_bytes(rw, wk, depth, asynchronous)
         if ring > 48 * 1024:
             kernel.set_shared_memory_config(ring)
+        # loaded now, not at its first launch (CUDA's lazy loading), which may fall inside a CUDA graph capture
+        lib = torch.cuda._utils._get_gpu_runtime_library()
+        if hasattr(lib, "cuFuncLoad") and lib.cuFuncLoad(kernel.func) != 0:
+            raise RuntimeError("fp4_linear's CUDA form: cuFuncLoad failed")
     _COMPILED.add((nt, rw, wk, depth, asynchronous, device_index))
     return kernel
 
@@ -368,6 +372,12 @@ def available(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
+def _dense(t: Tensor, align: int) -> Tensor:
+    """``t`` contiguous at an address that is a multiple of ``align`` bytes (a view at an odd offset is copied)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % align == 0 else t.clone()
+
+
 def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Tensor, cfg: dict) -> Tensor:
     """``x2`` [M, K] bf16 (K-contiguous) times the NVFP4 weight (packed [N, K/2] uint8, scales [N, K/16]
     E4M3 bytes, both row-major) transposed: [M, N] bf16."""
@@ -376,10 +386,9 @@ def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Te
     if k % CHUNK or m > MAX_M or m > 8 * cfg["nt"]:
         raise ValueError(f"fp4_linear's CUDA form takes K a multiple of {CHUNK} and M up to {8 * cfg['nt']} "
                          f"(nt={cfg['nt']}); got M={m}, K={k}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = x2.contiguous()
-    w = packed.contiguous().view(torch.int32)
-    s = scales.contiguous()
+    x2 = _dense(x2, 16)  # 16-byte loads of x and of the words; 2-byte loads of the scales
+    w = _dense(packed, 16).view(torch.int32)
+    s = _dense(scales, 2)
     chunks = k // CHUNK
     split = min(cfg["split_k"], chunks)
     per_split = -(-chunks // split)

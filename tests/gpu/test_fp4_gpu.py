@@ -122,6 +122,20 @@ def test_the_cuda_form_against_the_dequantized_matmul(M, N, K, cfg):
     torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
 
 
+def test_the_cuda_form_takes_views_at_any_offset():
+    # the kernel's 16-byte loads need aligned x and words, its 2-byte loads aligned scales: views at odd
+    # offsets are copied first, not read misaligned
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = fmt.quantize(torch.randn(64, 256, device="cuda", generator=g) * 0.02)
+    x = torch.randn(3 * 256 + 1, device="cuda", generator=g).bfloat16()[1:].view(3, 256)  # 2 bytes off
+    packed = torch.cat([torch.zeros(1, dtype=torch.uint8, device="cuda"), q.packed.flatten()])[1:].view(64, 128)
+    scales = torch.cat([torch.zeros(1, dtype=torch.uint8, device="cuda"),
+                        q.scales.view(torch.uint8).flatten()])[1:].view(64, 16)
+    moved = fmt.Fp4Weight(fmt.NVFP4, packed, scales.view(torch.float8_e4m3fn), q.global_scale, q.shape)
+    torch.testing.assert_close(fp4_linear(x, moved, config={"cuda": True}),
+                               fp4_linear(x.clone(), q, config={"cuda": True}), rtol=0, atol=0)
+
+
 def test_the_cuda_form_is_exact_over_every_e4m3_scale():
     # y = I @ w.T = the weight: every code at every nibble, every E4M3 scale byte (subnormals 1-7 too), a
     # power-of-two tensor scale; 16 rows of the identity a call (the form takes M up to 16)
