@@ -188,6 +188,7 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
     const u16 *__restrict__ x, const u32 *__restrict__ w, const unsigned char *__restrict__ s,
     const float *__restrict__ gs, void *__restrict__ y, int M, int N, int K, int chunks_per_split,
     int stride_xm, int stride_wn, int stride_sn, int stride_ys, int stride_ym, int out_f32) {
+  static_assert(DEPTH % 2 == 0, "x's two buffers alternate with the chunk's parity: DEPTH must be even");
   const int lane = threadIdx.x & 31, rw = (threadIdx.x >> 5) % RW, warp = (threadIdx.x >> 5) / RW;
   const int g = lane >> 2, t = lane & 3;
   const int r_lo = (blockIdx.x * RW + rw) * 16 + g, r_hi = r_lo + 8;
@@ -324,8 +325,23 @@ def _key(cfg: dict, device_index: int) -> tuple:
     return cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), device_index
 
 
+class CompileError(RuntimeError):
+    """NVRTC or the module load failed on a device: the form is not offered there again (``available``)."""
+
+
+_FAILED: dict = {}  # device index -> why the CUDA form could not be built there
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(nt: int, rw: int, wk: int, depth: int, asynchronous: int, device_index: int):
+    try:
+        return _build(nt, rw, wk, depth, asynchronous, device_index)
+    except (RuntimeError, OSError, AttributeError) as e:  # no headers, an old driver, no libnvrtc
+        _FAILED[device_index] = f"its NVRTC build failed on cuda:{device_index} ({type(e).__name__}: {str(e)[:200]})"
+        raise CompileError(_FAILED[device_index]) from e
+
+
+def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, device_index: int):
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}, {asynchronous}>",
                                             nvcc_options=["-std=c++17"])
@@ -369,6 +385,8 @@ def available(device: torch.device) -> tuple[bool, str]:
         return False, "the CUDA form converts E4M3 scales with sm_89's cvt"
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False, f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    if (device.index or 0) in _FAILED:
+        return False, _FAILED[device.index or 0]
     return True, ""
 
 
@@ -396,8 +414,9 @@ def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Te
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else torch.bfloat16, device=x2.device)
     kernel = _kernel(*_key(cfg, x2.device.index or 0))
     gs = global_scale.reshape(1).float()
-    kernel(grid=(-(-n // (16 * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-           shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False))),
-           args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
-                 out.stride(0), out.stride(1), int(split > 1)])
+    with torch.cuda.device(x2.device):  # the kernel's context and x's stream, whatever device is current
+        kernel(grid=(-(-n // (16 * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
+               shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False))),
+               args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
+                     out.stride(0), out.stride(1), int(split > 1)], stream=torch.cuda.current_stream(x2.device))
     return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)

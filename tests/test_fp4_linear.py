@@ -301,7 +301,8 @@ def test_the_cuda_forms_config_follows_the_h200_sweep_and_its_keys_are_checked(m
     monkeypatch.setattr(kernel, "cuda_form_fits", lambda x2, q, why=None: True)
     q = fmt.quantize(torch.randn(16, 256))
     x = torch.randn(9, 256).to(torch.bfloat16)
-    for cfg, what in (({"depth": 3}, "depth 2 or 4"), ({"nt": 1}, r"8 nt >= M=9"), ({"rw": 8, "wk": 8}, "1-32"),
-                      ({"block_n": 64}, "Triton forms' keys")):
+    for cfg, what in (({"depth": 3}, "depth 2, 4, 6 or 8"), ({"nt": 1}, r"8 nt >= M=9"),
+                      ({"rw": 8, "wk": 8}, "at most 32"), ({"rw": -1, "wk": -1}, "at least 1"),
+                      ({"split_k": 0}, "at least 1"), ({"block_n": 64}, "Triton forms' keys")):
         with pytest.raises(ValueError, match=what):
             fp4_linear(x, q, config={"cuda": True, **cfg})
