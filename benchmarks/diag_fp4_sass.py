@@ -104,8 +104,8 @@ def cuda_rows() -> list:
     rows = [f"# The CUDA form's loop, compiled on the CPU ({datetime.date.today()}, commit {git_commit()})", "",
             "- command: `python -m benchmarks.diag_fp4_sass --cuda`",
             f"- {nvcc}, sm_90, NVFP4, bf16 x; loop = the longest loop's instructions (DEPTH chunks)", "",
-            "| nt, rw, wk, depth, async | registers | loop instructions | codes a thread a loop | instructions a code | "
-            "commonest opcodes |", "| --- | --- | --- | --- | --- | --- |"]
+            "| nt, rw, wk, depth, async | registers | loop instructions | codes a thread a loop | "
+            "instructions a code | commonest opcodes |", "| --- | --- | --- | --- | --- | --- |"]
     for cfg in CUDA_CONFIGS:
         text, registers = cuda_sass(*cfg)
         n, ops = loop_counts(text)

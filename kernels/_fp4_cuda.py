@@ -133,8 +133,7 @@ __device__ __forceinline__ unsigned shared_address(const void *p) {
   return a;
 }
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {  // weights: L2 only, then shared
-  const unsigned a = shared_address(smem);
+__device__ __forceinline__ void cp_async16(unsigned a, const void *gmem) {  // weights: L2 only, then shared
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(gmem) : "memory");
 }
 
@@ -144,9 +143,8 @@ template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
 }
 
-__device__ __forceinline__ uint4 load_shared(const uint4 *p) {
+__device__ __forceinline__ uint4 load_shared(unsigned a) {
   uint4 v;
-  const unsigned a = shared_address(p);
   asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a)
                : "memory");
   return v;
@@ -216,15 +214,16 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
   u32 sb[DEPTH][2];
   uint4 xb[2][NT][4];
   extern __shared__ uint4 ring_all[];  // ASYNC: DEPTH chunks a warp, [slot][row lo, hi][lane]
-  uint4 *ring = ring_all + (threadIdx.x >> 5) * DEPTH * 64;
+  // this lane's 16 bytes of row lo in slot 0 (shared address); + 1024 a slot, + 512 for row hi
+  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * 64 + lane);
 
   // The loads of a warp's chunk i0 + P (P a compile-time offset) from pointers advanced by DEPTH chunks a turn
   // of the loop below, so that their offsets are immediates.
 #define LOAD_W(slot, P)                                                                        \
   if (i0 + (P) < count) {                                                                      \
     if (ASYNC) {                                                                               \
-      cp_async16(ring + (slot) * 64 + lane, w_lo + 16 * WK * (P));                             \
-      cp_async16(ring + (slot) * 64 + 32 + lane, w_hi + 16 * WK * (P));                        \
+      cp_async16(ring + (slot) * 1024, w_lo + 16 * WK * (P));                                  \
+      cp_async16(ring + (slot) * 1024 + 512, w_hi + 16 * WK * (P));                            \
     } else {                                                                                   \
       wb[slot][0] = load_stream(w_lo + 16 * WK * (P));                                         \
       wb[slot][1] = load_stream(w_hi + 16 * WK * (P));                                         \
@@ -252,7 +251,7 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
         LOAD_X((p + 1) % 2, p + 1)
         if (ASYNC) {  // this chunk's group has landed once at most DEPTH - 1 later ones are pending
           cp_async_wait<DEPTH - 1>();
-          chunk_mma<NT>(acc, load_shared(ring + p * 64 + lane), load_shared(ring + p * 64 + 32 + lane),
+          chunk_mma<NT>(acc, load_shared(ring + p * 1024), load_shared(ring + p * 1024 + 512),
                         sb[p][0], sb[p][1], xb[p % 2]);
         } else {
           chunk_mma<NT>(acc, wb[p][0], wb[p][1], sb[p][0], sb[p][1], xb[p % 2]);

@@ -136,6 +136,29 @@ def test_the_cuda_form_takes_views_at_any_offset():
                                fp4_linear(x.clone(), q, config={"cuda": True}), rtol=0, atol=0)
 
 
+def test_a_first_call_inside_a_capture_takes_a_triton_form_and_the_capture_holds():
+    # loading a CUDA-form kernel inside a capture would break it: the default takes a Triton form there while
+    # the config is not loaded, then the CUDA form once it is (kernels/fp4_linear._loaded_or_not_capturing)
+    from kpt_compiler.kernels import _fp4_cuda
+    from kpt_compiler.kernels import fp4_linear as kernel
+
+    q = fmt.quantize(torch.randn(384, 1024, device="cuda") * 0.02)
+    x = torch.randn(3, 1024, device="cuda").bfloat16()
+    fp4_linear(x, q, config={"decode": 3})  # the Triton form compiled outside the capture
+    _fp4_cuda._kernel.cache_clear()
+    _fp4_cuda._COMPILED.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp4_linear(x, q)
+    graph.replay()
+    assert not _fp4_cuda.compiled(_fp4_cuda.config(3, 384, 1024, torch.cuda.get_device_properties(0)
+                                                   .multi_processor_count), x.device)
+    torch.testing.assert_close(y, fp4_linear(x, q, config={"decode": 3}), rtol=0, atol=0)
+    kernel.prepare_cuda_form(384, 1024, torch.bfloat16, x.device, fmt.NVFP4)
+    assert _fp4_cuda.compiled(_fp4_cuda.config(3, 384, 1024, torch.cuda.get_device_properties(0)
+                                               .multi_processor_count), x.device)
+
+
 def test_the_cuda_form_is_exact_over_every_e4m3_scale():
     # y = I @ w.T = the weight: every code at every nibble, every E4M3 scale byte (subnormals 1-7 too), a
     # power-of-two tensor scale; 16 rows of the identity a call (the form takes M up to 16)
@@ -216,6 +239,10 @@ def test_the_fp4_pass_under_inductor_and_a_cuda_graph():
         ref = model.float()(x.float())
     rec = kpt_compiler.last_report().pass_record("fp4")
     assert rec.status == "applied" and rec.matches == 2, rec.notes
+    from kpt_compiler.kernels import _fp4_cuda
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for n, k in ((2048, 1024), (1024, 2048)):  # the pass loaded the CUDA form's kernels for both layers
+        assert _fp4_cuda.compiled(_fp4_cuda.config(4, n, k, sms), x.device), (n, k)
     assert all(v > 15 for v in rec.layer_db.values()), rec.layer_db
     for out in outs:
         assert sqnr_db(out.float(), ref) > 15
