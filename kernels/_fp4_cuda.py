@@ -181,7 +181,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[NT][4], const uint4 lo, c
 // (from L1 after the first); WK: warps along K a row tile; DEPTH: chunks of weights in flight (DEPTH - 1 ahead
 // of the one decoded); ASYNC: 0, the weights' loads go to registers; 1, to a ring of DEPTH chunks a warp in
 // shared memory (cp.async: bytes in flight that hold no registers). The scales go to registers either way.
-template <int NT, int RW, int WK, int DEPTH, int ASYNC>
+template <int NT, int RW, int WK, int DEPTH, int ASYNC, int RT>
 __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
     const u16 *__restrict__ x, const u32 *__restrict__ w, const unsigned char *__restrict__ s,
     const float *__restrict__ gs, void *__restrict__ y, int M, int N, int K, int chunks_per_split,
@@ -189,15 +189,21 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
   static_assert(DEPTH % 2 == 0, "x's two buffers alternate with the chunk's parity: DEPTH must be even");
   const int lane = threadIdx.x & 31, rw = (threadIdx.x >> 5) % RW, warp = (threadIdx.x >> 5) / RW;
   const int g = lane >> 2, t = lane & 3;
-  const int r_lo = (blockIdx.x * RW + rw) * 16 + g, r_hi = r_lo + 8;
-  // Rows past N and tokens past M read the last row or token instead: their sums are never stored.
-  const long long c_lo = r_lo < N ? r_lo : N - 1, c_hi = r_hi < N ? r_hi : N - 1;
+  const int row0 = (blockIdx.x * RW + rw) * 16 * RT + g;  // row tile rt: rows row0 + 16 rt and + 8
   const int nchunks = K / 128;
   const int first = blockIdx.y * chunks_per_split + warp;
-  const u32 *w_lo = w + c_lo * stride_wn + 4 * t + 16 * first;  // chunk first + WK i: + 16 WK i words
-  const u32 *w_hi = w + c_hi * stride_wn + 4 * t + 16 * first;
-  const unsigned char *s_lo = s + c_lo * stride_sn + 2 * t + 8 * first;  // + 8 WK i bytes
-  const unsigned char *s_hi = s + c_hi * stride_sn + 2 * t + 8 * first;
+  // Rows past N and tokens past M read the last row or token instead: their sums are never stored.
+  const u32 *w_lo[RT], *w_hi[RT];  // chunk first + WK i: + 16 WK i words
+  const unsigned char *s_lo[RT], *s_hi[RT];  // + 8 WK i bytes
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    const int r = row0 + 16 * rt;
+    const long long c_lo = r < N ? r : N - 1, c_hi = r + 8 < N ? r + 8 : N - 1;
+    w_lo[rt] = w + c_lo * stride_wn + 4 * t + 16 * first;
+    w_hi[rt] = w + c_hi * stride_wn + 4 * t + 16 * first;
+    s_lo[rt] = s + c_lo * stride_sn + 2 * t + 8 * first;
+    s_hi[rt] = s + c_hi * stride_sn + 2 * t + 8 * first;
+  }
   const uint4 *x_row[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -207,29 +213,34 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
   const int end_ = (int)(blockIdx.y + 1) * chunks_per_split, end = end_ < nchunks ? end_ : nchunks;
   const int count = first < end ? (end - first + WK - 1) / WK : 0;  // this warp's chunks: first + WK i
 
-  float acc[NT][4];
+  float acc[RT][NT][4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  uint4 wb[ASYNC ? 1 : DEPTH][2];
-  u32 sb[DEPTH][2];
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[rt][nt][0] = acc[rt][nt][1] = acc[rt][nt][2] = acc[rt][nt][3] = 0.f;
+  uint4 wb[ASYNC ? 1 : DEPTH][RT][2];
+  u32 sb[DEPTH][RT][2];
   uint4 xb[2][NT][4];
-  extern __shared__ uint4 ring_all[];  // ASYNC: DEPTH chunks a warp, [slot][row lo, hi][lane]
-  // this lane's 16 bytes of row lo in slot 0 (shared address); + 1024 a slot, + 512 for row hi
-  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * 64 + lane);
+  extern __shared__ uint4 ring_all[];  // ASYNC: DEPTH chunks a warp, [slot][row tile][row lo, hi][lane]
+  // this lane's 16 bytes of row tile 0's row lo in slot 0 (a shared address); + 1024 RT a slot, + 1024 a row
+  // tile, + 512 for row hi
+  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);
 
   // The loads of a warp's chunk i0 + P (P a compile-time offset) from pointers advanced by DEPTH chunks a turn
   // of the loop below, so that their offsets are immediates.
 #define LOAD_W(slot, P)                                                                        \
   if (i0 + (P) < count) {                                                                      \
-    if (ASYNC) {                                                                               \
-      cp_async16(ring + (slot) * 1024, w_lo + 16 * WK * (P));                                  \
-      cp_async16(ring + (slot) * 1024 + 512, w_hi + 16 * WK * (P));                            \
-    } else {                                                                                   \
-      wb[slot][0] = load_stream(w_lo + 16 * WK * (P));                                         \
-      wb[slot][1] = load_stream(w_hi + 16 * WK * (P));                                         \
+    _Pragma("unroll") for (int rt = 0; rt < RT; ++rt) {                                        \
+      if (ASYNC) {                                                                             \
+        cp_async16(ring + ((slot) * RT + rt) * 1024, w_lo[rt] + 16 * WK * (P));                \
+        cp_async16(ring + ((slot) * RT + rt) * 1024 + 512, w_hi[rt] + 16 * WK * (P));          \
+      } else {                                                                                 \
+        wb[slot][rt][0] = load_stream(w_lo[rt] + 16 * WK * (P));                               \
+        wb[slot][rt][1] = load_stream(w_hi[rt] + 16 * WK * (P));                               \
+      }                                                                                        \
+      sb[slot][rt][0] = *(const u16 *)(s_lo[rt] + 8 * WK * (P));                               \
+      sb[slot][rt][1] = *(const u16 *)(s_hi[rt] + 8 * WK * (P));                               \
     }                                                                                          \
-    sb[slot][0] = *(const u16 *)(s_lo + 8 * WK * (P));                                         \
-    sb[slot][1] = *(const u16 *)(s_hi + 8 * WK * (P));                                         \
   }                                                                                            \
   if (ASYNC) cp_async_commit();  /* a group every turn, empty or not: wait_group counts them */
 #define LOAD_X(slot, P)                                                                        \
@@ -249,19 +260,24 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
       if (i0 + p < count) {
         LOAD_W((p + DEPTH - 1) % DEPTH, p + DEPTH - 1)
         LOAD_X((p + 1) % 2, p + 1)
-        if (ASYNC) {  // this chunk's group has landed once at most DEPTH - 1 later ones are pending
-          cp_async_wait<DEPTH - 1>();
-          chunk_mma<NT>(acc, load_shared(ring + p * 1024), load_shared(ring + p * 1024 + 512),
-                        sb[p][0], sb[p][1], xb[p % 2]);
-        } else {
-          chunk_mma<NT>(acc, wb[p][0], wb[p][1], sb[p][0], sb[p][1], xb[p % 2]);
+        if (ASYNC) cp_async_wait<DEPTH - 1>();  // this chunk's group has landed: at most DEPTH - 1 pending
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {  // x's registers serve every row tile of the warp
+          if (ASYNC)
+            chunk_mma<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),
+                          load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1], xb[p % 2]);
+          else
+            chunk_mma<NT>(acc[rt], wb[p][rt][0], wb[p][rt][1], sb[p][rt][0], sb[p][rt][1], xb[p % 2]);
         }
       }
     }
-    w_lo += 16 * WK * DEPTH;
-    w_hi += 16 * WK * DEPTH;
-    s_lo += 8 * WK * DEPTH;
-    s_hi += 8 * WK * DEPTH;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+      w_lo[rt] += 16 * WK * DEPTH;
+      w_hi[rt] += 16 * WK * DEPTH;
+      s_lo[rt] += 8 * WK * DEPTH;
+      s_hi[rt] += 8 * WK * DEPTH;
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) x_row[nt] += 16 * WK * DEPTH;
   }
@@ -269,34 +285,40 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 #undef LOAD_X
 
   if (WK > 1) {  // the warps of a row tile add their sums; the first stores
-    __shared__ float red[WK][RW][NT * 4][32];
+    __shared__ float red[WK][RW][RT * NT * 4][32];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) red[warp][rw][nt * 4 + e][lane] = acc[nt][e];
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[warp][rw][(rt * NT + nt) * 4 + e][lane] = acc[rt][nt][e];
     __syncthreads();
     if (warp != 0) return;
 #pragma unroll
     for (int v = 1; v < WK; ++v)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] += red[v][rw][nt * 4 + e][lane];
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[rt][nt][e] += red[v][rw][(rt * NT + nt) * 4 + e][lane];
   }
   const float f = 256.f * gs[0];  // the decode's 2^-8 and the tensor scale
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int tok = nt * 8 + 2 * t + (e & 1), row = e < 2 ? r_lo : r_hi;
-      if (tok < M && row < N) {  // the sums of clamped rows and tokens are dropped here
-        const long long at = (long long)tok * stride_ym + row;
-        if (out_f32)
-          ((float *)y)[(long long)blockIdx.y * stride_ys + at] = acc[nt][e] * f;
-        else
-          ((u16 *)y)[at] = to_bf16(acc[nt][e] * f);
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * t + (e & 1), row = row0 + 16 * rt + (e < 2 ? 0 : 8);
+        if (tok < M && row < N) {  // the sums of clamped rows and tokens are dropped here
+          const long long at = (long long)tok * stride_ym + row;
+          if (out_f32)
+            ((float *)y)[(long long)blockIdx.y * stride_ys + at] = acc[rt][nt][e] * f;
+          else
+            ((u16 *)y)[at] = to_bf16(acc[rt][nt][e] * f);
+        }
       }
-    }
 }
 """
 
@@ -321,7 +343,8 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
 
 
 def _key(cfg: dict, device_index: int) -> tuple:
-    return cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), device_index
+    return (cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1),
+            device_index)
 
 
 class CompileError(RuntimeError):
@@ -332,32 +355,32 @@ _FAILED: dict = {}  # device index -> why the CUDA form could not be built there
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int, rw: int, wk: int, depth: int, asynchronous: int, device_index: int):
+def _kernel(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, device_index: int):
     try:
-        return _build(nt, rw, wk, depth, asynchronous, device_index)
+        return _build(nt, rw, wk, depth, asynchronous, rt, device_index)
     except (RuntimeError, OSError, AttributeError) as e:  # no headers, an old driver, no libnvrtc
         _FAILED[device_index] = f"its NVRTC build failed on cuda:{device_index} ({type(e).__name__}: {str(e)[:200]})"
         raise CompileError(_FAILED[device_index]) from e
 
 
-def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, device_index: int):
+def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, device_index: int):
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}, {asynchronous}>",
-                                            nvcc_options=["-std=c++17"])
-        ring = ring_bytes(rw, wk, depth, asynchronous)
+        kernel = torch.cuda._compile_kernel(
+            SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}, {asynchronous}, {rt}>", nvcc_options=["-std=c++17"])
+        ring = ring_bytes(rw, wk, depth, asynchronous, rt)
         if ring > 48 * 1024:
             kernel.set_shared_memory_config(ring)
         # loaded now, not at its first launch (CUDA's lazy loading), which may fall inside a CUDA graph capture
         lib = torch.cuda._utils._get_gpu_runtime_library()
         if hasattr(lib, "cuFuncLoad") and lib.cuFuncLoad(kernel.func) != 0:
             raise RuntimeError("fp4_linear's CUDA form: cuFuncLoad failed")
-    _COMPILED.add((nt, rw, wk, depth, asynchronous, device_index))
+    _COMPILED.add((nt, rw, wk, depth, asynchronous, rt, device_index))
     return kernel
 
 
-def ring_bytes(rw: int, wk: int, depth: int, asynchronous: int) -> int:
-    """The async form's shared memory: DEPTH chunks of two rows' 16 bytes a lane, a warp each."""
-    return rw * wk * depth * 2 * 32 * 16 if asynchronous else 0
+def ring_bytes(rw: int, wk: int, depth: int, asynchronous: int, rt: int = 1) -> int:
+    """The async form's shared memory: DEPTH chunks of RT row tiles' two rows, 16 bytes a lane, a warp each."""
+    return rw * wk * depth * rt * 2 * 32 * 16 if asynchronous else 0
 
 
 _COMPILED: set = set()
@@ -413,9 +436,10 @@ def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Te
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else torch.bfloat16, device=x2.device)
     kernel = _kernel(*_key(cfg, x2.device.index or 0))
     gs = global_scale.reshape(1).float()
+    rt = cfg.get("rt", 1)
     with torch.cuda.device(x2.device):  # the kernel's context and x's stream, whatever device is current
-        kernel(grid=(-(-n // (16 * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-               shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False))),
+        kernel(grid=(-(-n // (16 * rt * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
+               shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), rt),
                args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
                      out.stride(0), out.stride(1), int(split > 1)], stream=torch.cuda.current_stream(x2.device))
     return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)

@@ -39,7 +39,7 @@ from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kern
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # what the cost model's tables are keyed by
 SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_cuda", "_fp4_format", "_launch")
-CUDA_KEYS = {"cuda", "nt", "rw", "wk", "depth", "async", "split_k"}  # the CUDA form's config (kernels/_fp4_cuda.py)
+CUDA_KEYS = {"cuda", "nt", "rw", "wk", "depth", "async", "rt", "split_k"}  # the CUDA form's config (kernels/_fp4_cuda.py)
 
 
 @triton.jit
@@ -255,9 +255,10 @@ def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
     m, k = x2.shape
     cfg = {**_fp4_cuda.config(m, q.shape[0], k, sm_count(x2.device)), **asked}
     if (cfg["nt"] not in (1, 2) or 8 * cfg["nt"] < m or cfg["depth"] not in (2, 4, 6, 8)
-            or min(cfg["rw"], cfg["wk"], cfg["split_k"]) < 1 or cfg["rw"] * cfg["wk"] > 32):
+            or min(cfg["rw"], cfg["wk"], cfg["split_k"]) < 1 or cfg["rw"] * cfg["wk"] > 32
+            or cfg.get("rt", 1) not in (1, 2, 4)):
         raise ValueError(f"fp4_linear: CUDA form config {cfg}: nt 1 or 2 (8 nt >= M={m}), depth 2, 4, 6 or 8, "
-                         "rw, wk and split_k at least 1, rw x wk warps at most 32")
+                         "rw, wk and split_k at least 1, rw x wk warps at most 32, rt 1, 2 or 4")
     return _fp4_cuda.fp4_linear_cuda(x2, q.packed, q.scales.view(torch.uint8), q.global_scale, cfg)
 
 

@@ -106,7 +106,8 @@ def test_the_bf16_pair_mma_form_is_exact_over_its_scale_range_in_ptx(f):
     (2, 256, 1024, {"nt": 2, "depth": 4}), (16, 14336, 4096, {"rw": 4, "wk": 2}), (5, 1000, 512, {"rw": 2}),
     (12, 200, 3072, {"rw": 4, "wk": 3, "split_k": 2}), (16, 14336, 4096, {"async": True, "depth": 4}),
     (1, 4096, 14336, {"async": True, "depth": 6}), (9, 333, 1024, {"async": True, "split_k": 3, "depth": 8}),
-    (5, 1000, 512, {"async": True, "wk": 3, "depth": 2})])
+    (5, 1000, 512, {"async": True, "wk": 3, "depth": 2}), (16, 14336, 4096, {"async": True, "rt": 2, "wk": 4}),
+    (13, 1000, 1024, {"async": True, "rt": 4, "wk": 2, "split_k": 2}), (3, 200, 512, {"rt": 2})])
 def test_the_cuda_form_against_the_dequantized_matmul(M, N, K, cfg):
     # kernels/_fp4_cuda.py: ragged N and M (rows and tokens past the end read clamped, never stored), one and
     # two 8-token tiles, several row tiles a block, warps along K that do not divide the chunks, K split
