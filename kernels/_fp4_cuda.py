@@ -348,19 +348,30 @@ def _key(cfg: dict, device_index: int) -> tuple:
 
 
 class CompileError(RuntimeError):
-    """NVRTC or the module load failed on a device: the form is not offered there again (``available``)."""
+    """NVRTC, the module load or the launch settings of one config failed."""
 
 
-_FAILED: dict = {}  # device index -> why the CUDA form could not be built there
+_FAILED: dict = {}  # device index -> why the form is not offered there (``disable``: a default config failed)
+
+
+def disable(device: torch.device, why: str) -> None:
+    """No CUDA form by default on ``device`` from now on (a default config failed to build: the environment's
+    fault, no headers or an old driver, not the config's); ``available`` says why."""
+    _FAILED[device.index or 0] = why
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, device_index: int):
     try:
         return _build(nt, rw, wk, depth, asynchronous, rt, device_index)
-    except (RuntimeError, OSError, AttributeError) as e:  # no headers, an old driver, no libnvrtc
-        _FAILED[device_index] = f"its NVRTC build failed on cuda:{device_index} ({type(e).__name__}: {str(e)[:200]})"
-        raise CompileError(_FAILED[device_index]) from e
+    except (RuntimeError, OSError, AttributeError) as e:  # no headers, an old driver, no libnvrtc, a config
+        raise CompileError(f"its NVRTC build failed on cuda:{device_index} "
+                           f"({type(e).__name__}: {str(e)[:200]})") from e
+
+
+def static_bytes(nt: int, rw: int, wk: int, rt: int) -> int:
+    """The kernel's static shared memory: the warps' sums, added up across WK (none at WK=1)."""
+    return wk * rw * rt * nt * 4 * 32 * 4 if wk > 1 else 0
 
 
 def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, device_index: int):
@@ -368,8 +379,12 @@ def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, de
         kernel = torch.cuda._compile_kernel(
             SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}, {asynchronous}, {rt}>", nvcc_options=["-std=c++17"])
         ring = ring_bytes(rw, wk, depth, asynchronous, rt)
-        if ring > 48 * 1024:
+        if ring >= 48 * 1024:  # torch's launcher asks for this from 48 KB of dynamic shared memory on
             kernel.set_shared_memory_config(ring)
+        elif ring + static_bytes(nt, rw, wk, rt) > 48 * 1024:  # past 48 KB in all: the driver's opt-in
+            lib = torch.cuda._utils._get_gpu_runtime_library()
+            if lib.cuFuncSetAttribute(kernel.func, 8, ring) != 0:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                raise RuntimeError(f"cuFuncSetAttribute({ring} bytes of dynamic shared memory) failed")
         # loaded now, not at its first launch (CUDA's lazy loading), which may fall inside a CUDA graph capture
         lib = torch.cuda._utils._get_gpu_runtime_library()
         if hasattr(lib, "cuFuncLoad") and lib.cuFuncLoad(kernel.func) != 0:

@@ -39,7 +39,8 @@ from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kern
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # what the cost model's tables are keyed by
 SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_cuda", "_fp4_format", "_launch")
-CUDA_KEYS = {"cuda", "nt", "rw", "wk", "depth", "async", "rt", "split_k"}  # the CUDA form's config (kernels/_fp4_cuda.py)
+# the CUDA form's config (kernels/_fp4_cuda.py)
+CUDA_KEYS = {"cuda", "nt", "rw", "wk", "depth", "async", "rt", "split_k"}
 
 
 @triton.jit
@@ -240,7 +241,8 @@ def prepare_cuda_form(n: int, k: int, dtype: torch.dtype, device: torch.device, 
         return False
     try:
         _fp4_cuda.prepare(n, k, device, sm_count(device))
-    except _fp4_cuda.CompileError:  # noted in _fp4_cuda._FAILED: the Triton forms run instead
+    except _fp4_cuda.CompileError as e:  # a default config: the environment's fault; the Triton forms instead
+        _fp4_cuda.disable(device, str(e))
         return False
     return True
 
@@ -256,9 +258,17 @@ def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
     cfg = {**_fp4_cuda.config(m, q.shape[0], k, sm_count(x2.device)), **asked}
     if (cfg["nt"] not in (1, 2) or 8 * cfg["nt"] < m or cfg["depth"] not in (2, 4, 6, 8)
             or min(cfg["rw"], cfg["wk"], cfg["split_k"]) < 1 or cfg["rw"] * cfg["wk"] > 32
-            or cfg.get("rt", 1) not in (1, 2, 4)):
+            or cfg.get("rt", 1) not in (1, 2, 4) or cfg.get("rt", 1) == 4 and cfg["depth"] > 4
+            or cfg["nt"] == 2 and cfg["rw"] * cfg["wk"] > 16):
         raise ValueError(f"fp4_linear: CUDA form config {cfg}: nt 1 or 2 (8 nt >= M={m}), depth 2, 4, 6 or 8, "
-                         "rw, wk and split_k at least 1, rw x wk warps at most 32, rt 1, 2 or 4")
+                         "rw, wk and split_k at least 1, rw x wk warps at most 32 (16 with nt=2), rt 1, 2 or 4 "
+                         "(4 with depth 4 at most): past these the registers spill")
+    static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg.get("rt", 1))
+    ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1))
+    limit = torch.cuda.get_device_properties(x2.device).shared_memory_per_block_optin
+    if static > 48 * 1024 or static + ring > limit:
+        raise ValueError(f"fp4_linear: CUDA form config {cfg} needs {static} bytes of static and {ring} of dynamic "
+                         f"shared memory; {x2.device} gives a block 48 KB static, {limit} in all")
     return _fp4_cuda.fp4_linear_cuda(x2, q.packed, q.scales.view(torch.uint8), q.global_scale, cfg)
 
 
@@ -330,8 +340,8 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     if not asked and cuda_form_fits(x2, q) and _loaded_or_not_capturing(x2, q):  # the default where it fits
         try:
             return _cuda_form(x2, q, asked).reshape(*lead, n)
-        except _fp4_cuda.CompileError:  # not offered on this device again; a Triton form instead
-            pass
+        except _fp4_cuda.CompileError as e:  # not offered on this device again; a Triton form instead
+            _fp4_cuda.disable(x.device, str(e))
     if not kernel_runs(x, DTYPES, needs_3_6_interpreter=True):
         return reference(x, q)
     math = asked.get("gemv_math", "f32" if x.dtype == torch.float32 else "f16x2")  # f16x2: bf16/fp16 exactly
