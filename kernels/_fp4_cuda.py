@@ -323,6 +323,7 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 """
 
 
+@functools.lru_cache(maxsize=4096)  # a call per layer and step: the same few shapes (read only: callers copy)
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     """Warps along K (WK): the most, up to 8, that keep the grid within about 16 warps an SM (what fits at the
     kernel's 86-121 registers, benchmarks/results/sm90-compiled/2026-11-29-s29-fp4-cuda-sass-*) and at least 2

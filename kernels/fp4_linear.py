@@ -338,8 +338,10 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     if asked.get("cuda"):
         return _cuda_form(x2, q, asked).reshape(*lead, n)
     if not asked and cuda_form_fits(x2, q) and _loaded_or_not_capturing(x2, q):  # the default where it fits
-        try:
-            return _cuda_form(x2, q, asked).reshape(*lead, n)
+        try:  # its config is valid by construction: no checks a call
+            cfg = _fp4_cuda.config(m, n, k, sm_count(x2.device))
+            return _fp4_cuda.fp4_linear_cuda(x2, q.packed, q.scales.view(torch.uint8), q.global_scale,
+                                             cfg).reshape(*lead, n)
         except _fp4_cuda.CompileError as e:  # not offered on this device again; a Triton form instead
             _fp4_cuda.disable(x.device, str(e))
     if not kernel_runs(x, DTYPES, needs_3_6_interpreter=True):

@@ -125,6 +125,21 @@ def test_the_cuda_form_against_the_dequantized_matmul(M, N, K, cfg):
     torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
 
 
+def test_the_default_takes_the_cuda_form_where_it_fits(monkeypatch):
+    from kpt_compiler.kernels import _fp4_cuda
+
+    ran = []
+    real = _fp4_cuda.fp4_linear_cuda
+    monkeypatch.setattr(_fp4_cuda, "fp4_linear_cuda", lambda *a: ran.append(a[-1]) or real(*a))
+    q = fmt.quantize(torch.randn(256, 512, device="cuda") * 0.02)
+    for m in (1, 7, 16):
+        fp4_linear(torch.randn(m, 512, device="cuda").bfloat16(), q)
+    assert [c["nt"] for c in ran] == [1, 1, 2], ran
+    fp4_linear(torch.randn(17, 512, device="cuda").bfloat16(), q)  # past M=16: a Triton form
+    fp4_linear(torch.randn(4, 512, device="cuda").half(), q)  # fp16: a Triton form
+    assert len(ran) == 3
+
+
 def test_the_cuda_form_takes_views_at_any_offset():
     # the kernel's 16-byte loads need aligned x and words, its 2-byte loads aligned scales: views at odd
     # offsets are copied first, not read misaligned
