@@ -47,10 +47,12 @@ def test_quick_suite_on_cpu_end_to_end(tmp_path):
             continue
         assert r["status"] == "ok", r
         assert r["ms"] > 0 and r["p20_ms"] <= r["ms"] <= r["p80_ms"] and r["noise"] >= 0
-        assert r["rel_err"] < 1e-4  # float32 against the float32 eager copy
+        # float32 against the float32 eager copy. Not bit-exact even for eager: the training row runs with autograd
+        # on and the reference under no_grad, and a CPU may take another kernel then (CI saw 1.2e-5 on its CPU).
+        assert r["rel_err"] < 1e-4
         assert r["vs_eager"] > 0 and r["vs_inductor"] is None  # no inductor row asked for
         if r["mode"] == "eager":
-            assert r["compile_s"] is None and r["rel_err"] == 0.0 and "passes" not in r
+            assert r["compile_s"] is None and "passes" not in r
         else:
             assert r["compile_s"] > 0 and isinstance(r["passes"], list) and r["graphs"] >= 1
 
