@@ -325,15 +325,25 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 
 @functools.lru_cache(maxsize=4096)  # a call per layer and step: the same few shapes (read only: callers copy)
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
-    """Warps along K (WK): the most, up to 8, that keep the grid within about 16 warps an SM (what fits at the
-    kernel's 86-121 registers, benchmarks/results/sm90-compiled/2026-11-29-s29-fp4-cuda-sass-*) and at least 2
-    chunks a warp; then a split of K across blocks while there are
-    fewer than 8 warps an SM. One row tile a block, 2 chunks of weights in flight a warp. From bench_fp4
-    --sweep --forms cuda on an H200 (s29): the fastest config at 4096x4096, 14336x4096 and 4096x14336, M = 1,
-    4, 8 and 16, was this one or within 2.4% of it (several row tiles a block, 4 chunks in flight and a split of
-    K were slower there)."""
+    """Up to M=8 (one token tile): warps along K (WK), the most, up to 8, that keep the grid within about 16 warps
+    an SM (what fits at the kernel's 86-121 registers, benchmarks/results/sm90-compiled/2026-11-29-s29-fp4-cuda-sass-*)
+    and at least 2 chunks a warp; then a split of K across blocks while there are fewer than 8 warps an SM. One row
+    tile a block, 2 chunks of weights in flight a warp. From bench_fp4 --sweep --forms cuda on an H200 (s29): the
+    fastest config at 4096x4096, 14336x4096 and 4096x14336, M = 1, 4 and 8, was this one or within 2.4% of it
+    (several row tiles a block, 4 chunks in flight and a split of K were slower there).
+    At M=9-16 (two token tiles), where there are rows enough (at least 4 warps an SM at WK=8): each warp takes RT
+    row tiles (4 where that still leaves a block an SM, else 2) through the cp.async ring, with about 8 warps an
+    SM. The sweep of s31 (H200) found this 1.2x (4096x14336) and 1.65x (14336x4096) faster than one row tile, and
+    as fast at 4096x4096."""
     chunks = k // CHUNK
     tiles = -(-n // 16)
+    rt = 4 if -(-tiles // 4) >= sms else 2
+    groups = -(-tiles // rt)
+    if m > 8 and groups * 8 >= 4 * sms:  # two token tiles: RT row tiles a warp through the async ring
+        wk = 1
+        while wk < 8 and groups * wk * 2 <= 8 * sms and chunks >= 4 * wk:
+            wk *= 2
+        return dict(cuda=True, nt=2, rw=1, wk=wk, depth=2, split_k=1, rt=rt, **{"async": True})
     wk = 1
     while wk < 8 and tiles * wk * 2 <= 16 * sms and chunks >= 4 * wk:
         wk *= 2
