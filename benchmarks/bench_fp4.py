@@ -135,6 +135,10 @@ DOT_SWEEP += [dict(block_m=16, block_n=bn, block_k=bk, split_k=sk, num_warps=nw,
 CUDA_SWEEP = [dict(cuda=True, rw=rw, wk=wk, depth=2, split_k=sk)  # the CUDA C++ form (kernels/_fp4_cuda.py)
               for rw in (1, 2, 4) for wk in (1, 2, 4, 8) for sk in (1, 2, 4)]
 CUDA_SWEEP += [dict(cuda=True, rw=1, wk=wk, depth=4, split_k=1) for wk in (2, 4, 8)]
+CUDA_SWEEP += [dict(cuda=True, rw=1, wk=wk, depth=depth, split_k=1, **{"async": True})  # weights via cp.async
+               for wk in (1, 2, 4, 8) for depth in (2, 4, 6, 8)]
+CUDA_SWEEP += [dict(cuda=True, rw=1, wk=wk, depth=depth, split_k=1, rt=rt, **{"async": True})  # rows a warp
+               for rt in (2, 4) for wk in (1, 2, 4, 8) for depth in (2, 4)]
 
 
 def family(cfg: dict) -> str:

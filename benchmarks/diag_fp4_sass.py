@@ -64,16 +64,18 @@ def sass(math: str, block_n: int, block_k: int, warps: int) -> str:
         return subprocess.run([str(nvdisasm), "-c", f.name], check=True, capture_output=True, text=True).stdout
 
 
-CUDA_CONFIGS = [(1, 1, 8, 2), (1, 1, 2, 2), (2, 1, 8, 2), (1, 1, 8, 4)]  # nt, rw, wk, depth (the last: not picked)
+# nt, rw, wk, depth, async, rt (the last five: not picked by the heuristic)
+CUDA_CONFIGS = [(1, 1, 8, 2, 0, 1), (1, 1, 2, 2, 0, 1), (2, 1, 8, 2, 0, 1), (1, 1, 8, 4, 0, 1), (1, 1, 8, 4, 1, 1),
+                (2, 1, 8, 4, 1, 1), (1, 1, 2, 6, 1, 1), (2, 1, 4, 4, 1, 2), (2, 1, 2, 4, 1, 4)]
 
 
-def cuda_sass(nt: int, rw: int, wk: int, depth: int) -> tuple[str, int]:
+def cuda_sass(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int) -> tuple[str, int]:
     """The SASS of one config and its registers (ptxas -v)."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
     args = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "k.cu").write_text(_fp4_cuda.SOURCE + f"template __global__ void fp4_mma_sync<{nt}, {rw}, {wk}, "
-                                      f"{depth}>({args});\n")
+                                      f"{depth}, {asynchronous}, {rt}>({args});\n")
         built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
                                 f"{d}/k.cubin", f"{d}/k.cu"], check=True, capture_output=True, text=True)
         registers = int(re.search(r"Used (\d+) registers", built.stderr).group(1))
@@ -102,12 +104,12 @@ def cuda_rows() -> list:
     rows = [f"# The CUDA form's loop, compiled on the CPU ({datetime.date.today()}, commit {git_commit()})", "",
             "- command: `python -m benchmarks.diag_fp4_sass --cuda`",
             f"- {nvcc}, sm_90, NVFP4, bf16 x; loop = the longest loop's instructions (DEPTH chunks)", "",
-            "| nt, rw, wk, depth | registers | loop instructions | codes a thread a loop | instructions a code | "
-            "commonest opcodes |", "| --- | --- | --- | --- | --- | --- |"]
+            "| nt, rw, wk, depth, async, rt | registers | loop instructions | codes a thread a loop | "
+            "instructions a code | commonest opcodes |", "| --- | --- | --- | --- | --- | --- |"]
     for cfg in CUDA_CONFIGS:
         text, registers = cuda_sass(*cfg)
         n, ops = loop_counts(text)
-        codes = 64 * cfg[3]
+        codes = 64 * cfg[3] * cfg[5]
         rows.append(f"| {', '.join(map(str, cfg))} | {registers} | {n} | {codes} | {n / codes:.2f} | "
                     + ", ".join(f"{o} {c}" for o, c in ops.most_common(6)) + " |")
     return rows

@@ -5,8 +5,9 @@ through ``mma.sync`` with the weights decoded in registers; compiled at first us
 Why a hand-written kernel: the Triton MMA form spends 6.1-6.6 instructions a code in its sm_90 loop and the dot
 form 7.7-8.2 (benchmarks/diag_fp4_sass.py), and Triton routes the decoded tile through layout conversions; on an
 H200 they run at one wave of 3.6 warps a scheduler and use a quarter to a third of the memory bandwidth (s28,
-ncu). Here each thread owns its fragment of the MMA outright, so nothing moves between threads: per 128 K a
-thread decodes 64 codes (two rows of the weight, 16 bytes each) and feeds them to 8 MMAs per 8 tokens.
+ncu). Here each
+thread owns its fragment of the MMA outright, so nothing moves between threads: per 128 K a thread decodes 64
+codes (two rows of the weight, 16 bytes each) and feeds them to 8 MMAs per 8 tokens.
 
 The layout is the portable one (kernels/_fp4_format.py: element 2j in byte j's low nibble; an int32 word holds
 elements 8j..8j+7, element 8j + t in bits 4t..4t+3) and the scales are the E4M3 bytes as quantized: nothing is
@@ -38,6 +39,10 @@ block holds RW row tiles (one warp each, sharing x through L1) times WK warps th
 the same rows and add their sums in shared memory; the grid's second axis splits K further when there are too
 few row tiles, its fp32 partial sums added after (as the Triton forms do). ``config`` picks them (measured on
 an H200, s29: one row tile a block and 2 chunks in flight were the fastest).
+``config={"async": True}`` sends the weights through shared memory instead (``cp.async.cg`` into a ring of
+DEPTH chunks a warp, read back by the lane that copied them, so no barrier): the bytes in flight then hold no
+registers (79-84 registers at DEPTH 4-6 against 86 for the register pipeline at DEPTH 2, nvcc 13.0 for sm_90),
+so more of them can be in flight per SM. Written in session 29 after its GPU time was spent: not yet run.
 Loading a kernel (NVRTC, then a module load) inside a CUDA graph capture would break the capture: ``prepare``
 loads the configs a weight will use when the fp4 pass compiles, and fp4_linear's default takes a Triton form
 in a capture where the kernel is not loaded.
@@ -122,24 +127,83 @@ __device__ __forceinline__ u16 to_bf16(float v) {
   return r;
 }
 
+__device__ __forceinline__ unsigned shared_address(const void *p) {
+  unsigned a;
+  asm("{\n.reg .u64 g;\ncvta.to.shared.u64 g, %1;\ncvt.u32.u64 %0, g;\n}" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ void cp_async16(unsigned a, const void *gmem) {  // weights: L2 only, then shared
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int PENDING> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory");
+}
+
+__device__ __forceinline__ uint4 load_shared(unsigned a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a)
+               : "memory");
+  return v;
+}
+
+// One chunk of 128 K: the lane's words of rows g (lo) and g + 8 (hi), their two scale bytes each, and x's
+// 32 elements per token tile, into 8 MMAs per token tile.
+template <int NT>
+__device__ __forceinline__ void chunk_mma(float (&acc)[NT][4], const uint4 lo, const uint4 hi, u32 s_lo, u32 s_hi,
+                                          const uint4 (&xv)[NT][4]) {
+  u32 sl0, sl1, sh0, sh1;  // row g (lo) and g + 8 (hi), the lane's first and second block
+  scale_pairs(s_lo, sl0, sl1);
+  scale_pairs(s_hi, sh0, sh1);
+  const u32 wl[4] = {lo.x, lo.y, lo.z, lo.w};
+  const u32 wh[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const u32 sl = j < 2 ? sl0 : sl1, sh = j < 2 ? sh0 : sh1;
+    const u32 l8 = wl[j] >> 8, h8 = wh[j] >> 8;
+    const u32 a0 = pair<0>(wl[j], l8, sl), a1 = pair<0>(wh[j], h8, sh), a2 = pair<1>(wl[j], l8, sl),
+              a3 = pair<1>(wh[j], h8, sh);
+    const u32 e0 = pair<2>(wl[j], l8, sl), e1 = pair<2>(wh[j], h8, sh), e2 = pair<3>(wl[j], l8, sl),
+              e3 = pair<3>(wh[j], h8, sh);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint4 v = xv[nt][j];  // x[8j'..8j'+7] as pairs (0,1) (2,3) (4,5) (6,7)
+      mma(acc[nt], a0, a1, a2, a3, prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z));
+      mma(acc[nt], e0, e1, e2, e3, prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
+    }
+  }
+}
+
 // NT: 8-token column tiles (M <= 8 NT); RW: 16-row tiles a block (one warp each), whose warps read the same x
-// (from L1 after the first); WK: warps along K a row tile; DEPTH: chunks of weights in flight.
-template <int NT, int RW, int WK, int DEPTH>
+// (from L1 after the first); WK: warps along K a row tile; DEPTH: chunks of weights in flight (DEPTH - 1 ahead
+// of the one decoded); ASYNC: 0, the weights' loads go to registers; 1, to a ring of DEPTH chunks a warp in
+// shared memory (cp.async: bytes in flight that hold no registers). The scales go to registers either way.
+template <int NT, int RW, int WK, int DEPTH, int ASYNC, int RT>
 __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
     const u16 *__restrict__ x, const u32 *__restrict__ w, const unsigned char *__restrict__ s,
     const float *__restrict__ gs, void *__restrict__ y, int M, int N, int K, int chunks_per_split,
     int stride_xm, int stride_wn, int stride_sn, int stride_ys, int stride_ym, int out_f32) {
+  static_assert(DEPTH % 2 == 0, "x's two buffers alternate with the chunk's parity: DEPTH must be even");
   const int lane = threadIdx.x & 31, rw = (threadIdx.x >> 5) % RW, warp = (threadIdx.x >> 5) / RW;
   const int g = lane >> 2, t = lane & 3;
-  const int r_lo = (blockIdx.x * RW + rw) * 16 + g, r_hi = r_lo + 8;
-  // Rows past N and tokens past M read the last row or token instead: their sums are never stored.
-  const long long c_lo = r_lo < N ? r_lo : N - 1, c_hi = r_hi < N ? r_hi : N - 1;
+  const int row0 = (blockIdx.x * RW + rw) * 16 * RT + g;  // row tile rt: rows row0 + 16 rt and + 8
   const int nchunks = K / 128;
   const int first = blockIdx.y * chunks_per_split + warp;
-  const u32 *w_lo = w + c_lo * stride_wn + 4 * t + 16 * first;  // chunk first + WK i: + 16 WK i words
-  const u32 *w_hi = w + c_hi * stride_wn + 4 * t + 16 * first;
-  const unsigned char *s_lo = s + c_lo * stride_sn + 2 * t + 8 * first;  // + 8 WK i bytes
-  const unsigned char *s_hi = s + c_hi * stride_sn + 2 * t + 8 * first;
+  // Rows past N and tokens past M read the last row or token instead: their sums are never stored.
+  const u32 *w_lo[RT], *w_hi[RT];  // chunk first + WK i: + 16 WK i words
+  const unsigned char *s_lo[RT], *s_hi[RT];  // + 8 WK i bytes
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+    const int r = row0 + 16 * rt;
+    const long long c_lo = r < N ? r : N - 1, c_hi = r + 8 < N ? r + 8 : N - 1;
+    w_lo[rt] = w + c_lo * stride_wn + 4 * t + 16 * first;
+    w_hi[rt] = w + c_hi * stride_wn + 4 * t + 16 * first;
+    s_lo[rt] = s + c_lo * stride_sn + 2 * t + 8 * first;
+    s_hi[rt] = s + c_hi * stride_sn + 2 * t + 8 * first;
+  }
   const uint4 *x_row[NT];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
@@ -149,22 +213,36 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
   const int end_ = (int)(blockIdx.y + 1) * chunks_per_split, end = end_ < nchunks ? end_ : nchunks;
   const int count = first < end ? (end - first + WK - 1) / WK : 0;  // this warp's chunks: first + WK i
 
-  float acc[NT][4];
+  float acc[RT][NT][4];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  uint4 wb[DEPTH][2];
-  u32 sb[DEPTH][2];
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[rt][nt][0] = acc[rt][nt][1] = acc[rt][nt][2] = acc[rt][nt][3] = 0.f;
+  uint4 wb[ASYNC ? 1 : DEPTH][RT][2];
+  u32 sb[DEPTH][RT][2];
   uint4 xb[2][NT][4];
+  extern __shared__ uint4 ring_all[];  // ASYNC: DEPTH chunks a warp, [slot][row tile][row lo, hi][lane]
+  // this lane's 16 bytes of row tile 0's row lo in slot 0 (a shared address); + 1024 RT a slot, + 1024 a row
+  // tile, + 512 for row hi
+  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);
 
   // The loads of a warp's chunk i0 + P (P a compile-time offset) from pointers advanced by DEPTH chunks a turn
   // of the loop below, so that their offsets are immediates.
 #define LOAD_W(slot, P)                                                                        \
   if (i0 + (P) < count) {                                                                      \
-    wb[slot][0] = load_stream(w_lo + 16 * WK * (P));                                           \
-    wb[slot][1] = load_stream(w_hi + 16 * WK * (P));                                           \
-    sb[slot][0] = *(const u16 *)(s_lo + 8 * WK * (P));                                         \
-    sb[slot][1] = *(const u16 *)(s_hi + 8 * WK * (P));                                         \
-  }
+    _Pragma("unroll") for (int rt = 0; rt < RT; ++rt) {                                        \
+      if (ASYNC) {                                                                             \
+        cp_async16(ring + ((slot) * RT + rt) * 1024, w_lo[rt] + 16 * WK * (P));                \
+        cp_async16(ring + ((slot) * RT + rt) * 1024 + 512, w_hi[rt] + 16 * WK * (P));          \
+      } else {                                                                                 \
+        wb[slot][rt][0] = load_stream(w_lo[rt] + 16 * WK * (P));                               \
+        wb[slot][rt][1] = load_stream(w_hi[rt] + 16 * WK * (P));                               \
+      }                                                                                        \
+      sb[slot][rt][0] = *(const u16 *)(s_lo[rt] + 8 * WK * (P));                               \
+      sb[slot][rt][1] = *(const u16 *)(s_hi[rt] + 8 * WK * (P));                               \
+    }                                                                                          \
+  }                                                                                            \
+  if (ASYNC) cp_async_commit();  /* a group every turn, empty or not: wait_group counts them */
 #define LOAD_X(slot, P)                                                                        \
   if (i0 + (P) < count) {                                                                      \
     _Pragma("unroll") for (int nt = 0; nt < NT; ++nt)                                          \
@@ -182,32 +260,24 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
       if (i0 + p < count) {
         LOAD_W((p + DEPTH - 1) % DEPTH, p + DEPTH - 1)
         LOAD_X((p + 1) % 2, p + 1)
-        u32 sl0, sl1, sh0, sh1;  // row g (lo) and g + 8 (hi), the lane's first and second block
-        scale_pairs(sb[p][0], sl0, sl1);
-        scale_pairs(sb[p][1], sh0, sh1);
-        const u32 wl[4] = {wb[p][0].x, wb[p][0].y, wb[p][0].z, wb[p][0].w};
-        const u32 wh[4] = {wb[p][1].x, wb[p][1].y, wb[p][1].z, wb[p][1].w};
+        if (ASYNC) cp_async_wait<DEPTH - 1>();  // this chunk's group has landed: at most DEPTH - 1 pending
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const u32 sl = j < 2 ? sl0 : sl1, sh = j < 2 ? sh0 : sh1;
-          const u32 l8 = wl[j] >> 8, h8 = wh[j] >> 8;
-          const u32 a0 = pair<0>(wl[j], l8, sl), a1 = pair<0>(wh[j], h8, sh), a2 = pair<1>(wl[j], l8, sl),
-                    a3 = pair<1>(wh[j], h8, sh);
-          const u32 e0 = pair<2>(wl[j], l8, sl), e1 = pair<2>(wh[j], h8, sh), e2 = pair<3>(wl[j], l8, sl),
-                    e3 = pair<3>(wh[j], h8, sh);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint4 v = xb[p % 2][nt][j];  // x[8j'..8j'+7] as pairs (0,1) (2,3) (4,5) (6,7)
-            mma(acc[nt], a0, a1, a2, a3, prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z));
-            mma(acc[nt], e0, e1, e2, e3, prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
-          }
+        for (int rt = 0; rt < RT; ++rt) {  // x's registers serve every row tile of the warp
+          if (ASYNC)
+            chunk_mma<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),
+                          load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1], xb[p % 2]);
+          else
+            chunk_mma<NT>(acc[rt], wb[p][rt][0], wb[p][rt][1], sb[p][rt][0], sb[p][rt][1], xb[p % 2]);
         }
       }
     }
-    w_lo += 16 * WK * DEPTH;
-    w_hi += 16 * WK * DEPTH;
-    s_lo += 8 * WK * DEPTH;
-    s_hi += 8 * WK * DEPTH;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+      w_lo[rt] += 16 * WK * DEPTH;
+      w_hi[rt] += 16 * WK * DEPTH;
+      s_lo[rt] += 8 * WK * DEPTH;
+      s_hi[rt] += 8 * WK * DEPTH;
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) x_row[nt] += 16 * WK * DEPTH;
   }
@@ -215,47 +285,65 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 #undef LOAD_X
 
   if (WK > 1) {  // the warps of a row tile add their sums; the first stores
-    __shared__ float red[WK][RW][NT * 4][32];
+    __shared__ float red[WK][RW][RT * NT * 4][32];
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
+    for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) red[warp][rw][nt * 4 + e][lane] = acc[nt][e];
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[warp][rw][(rt * NT + nt) * 4 + e][lane] = acc[rt][nt][e];
     __syncthreads();
     if (warp != 0) return;
 #pragma unroll
     for (int v = 1; v < WK; ++v)
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+      for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nt][e] += red[v][rw][nt * 4 + e][lane];
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[rt][nt][e] += red[v][rw][(rt * NT + nt) * 4 + e][lane];
   }
   const float f = 256.f * gs[0];  // the decode's 2^-8 and the tensor scale
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int tok = nt * 8 + 2 * t + (e & 1), row = e < 2 ? r_lo : r_hi;
-      if (tok < M && row < N) {  // the sums of clamped rows and tokens are dropped here
-        const long long at = (long long)tok * stride_ym + row;
-        if (out_f32)
-          ((float *)y)[(long long)blockIdx.y * stride_ys + at] = acc[nt][e] * f;
-        else
-          ((u16 *)y)[at] = to_bf16(acc[nt][e] * f);
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int tok = nt * 8 + 2 * t + (e & 1), row = row0 + 16 * rt + (e < 2 ? 0 : 8);
+        if (tok < M && row < N) {  // the sums of clamped rows and tokens are dropped here
+          const long long at = (long long)tok * stride_ym + row;
+          if (out_f32)
+            ((float *)y)[(long long)blockIdx.y * stride_ys + at] = acc[rt][nt][e] * f;
+          else
+            ((u16 *)y)[at] = to_bf16(acc[rt][nt][e] * f);
+        }
       }
-    }
 }
 """
 
 
+@functools.lru_cache(maxsize=4096)  # a call per layer and step: the same few shapes (read only: callers copy)
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
-    """Warps along K (WK): the most, up to 8, that keep the grid within about 16 warps an SM (what fits at the
-    kernel's 86-121 registers, benchmarks/results/sm90-compiled/2026-11-29-s29-fp4-cuda-sass-*) and at least 2
-    chunks a warp; then a split of K across blocks while there are fewer than 8 warps an SM. One row tile a block, 2 chunks of weights in flight a warp. From bench_fp4
-    --sweep --forms cuda on an H200 (s29): the fastest config at 4096x4096, 14336x4096 and 4096x14336, M = 1,
-    4, 8 and 16, was this one or within 2.4% of it (several row tiles a block, 4 chunks in flight and a split of
-    K were slower there)."""
+    """Up to M=8 (one token tile): warps along K (WK), the most, up to 8, that keep the grid within about 16 warps
+    an SM (what fits at the kernel's 86-121 registers, benchmarks/results/sm90-compiled/2026-11-29-s29-fp4-cuda-sass-*)
+    and at least 2 chunks a warp; then a split of K across blocks while there are fewer than 8 warps an SM. One row
+    tile a block, 2 chunks of weights in flight a warp. From bench_fp4 --sweep --forms cuda on an H200 (s29): the
+    fastest config at 4096x4096, 14336x4096 and 4096x14336, M = 1, 4 and 8, was this one or within 2.4% of it
+    (several row tiles a block, 4 chunks in flight and a split of K were slower there).
+    At M=9-16 (two token tiles), where there are rows enough (at least 4 warps an SM at WK=8): each warp takes RT
+    row tiles (4 where that still leaves a block an SM, else 2) through the cp.async ring, with about 8 warps an
+    SM. The sweep of s31 (H200) found this 1.2x (4096x14336) and 1.65x (14336x4096) faster than one row tile, and
+    as fast at 4096x4096."""
     chunks = k // CHUNK
     tiles = -(-n // 16)
+    rt = 4 if -(-tiles // 4) >= sms else 2
+    groups = -(-tiles // rt)
+    if m > 8 and groups * 8 >= 4 * sms:  # two token tiles: RT row tiles a warp through the async ring
+        wk = 1
+        while wk < 8 and groups * wk * 2 <= 8 * sms and chunks >= 4 * wk:
+            wk *= 2
+        return dict(cuda=True, nt=2, rw=1, wk=wk, depth=2, split_k=1, rt=rt, **{"async": True})
     wk = 1
     while wk < 8 and tiles * wk * 2 <= 16 * sms and chunks >= 4 * wk:
         wk *= 2
@@ -266,16 +354,59 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
 
 
 def _key(cfg: dict, device_index: int) -> tuple:
-    return cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], device_index
+    return (cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1),
+            device_index)
+
+
+class CompileError(RuntimeError):
+    """NVRTC, the module load or the launch settings of one config failed."""
+
+
+_FAILED: dict = {}  # device index -> why the form is not offered there (``disable``: a default config failed)
+
+
+def disable(device: torch.device, why: str) -> None:
+    """No CUDA form by default on ``device`` from now on (a default config failed to build: the environment's
+    fault, no headers or an old driver, not the config's); ``available`` says why."""
+    _FAILED[device.index or 0] = why
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(nt: int, rw: int, wk: int, depth: int, device_index: int):
+def _kernel(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, device_index: int):
+    try:
+        return _build(nt, rw, wk, depth, asynchronous, rt, device_index)
+    except (RuntimeError, OSError, AttributeError) as e:  # no headers, an old driver, no libnvrtc, a config
+        raise CompileError(f"its NVRTC build failed on cuda:{device_index} "
+                           f"({type(e).__name__}: {str(e)[:200]})") from e
+
+
+def static_bytes(nt: int, rw: int, wk: int, rt: int) -> int:
+    """The kernel's static shared memory: the warps' sums, added up across WK (none at WK=1)."""
+    return wk * rw * rt * nt * 4 * 32 * 4 if wk > 1 else 0
+
+
+def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, device_index: int):
     with torch.cuda.device(device_index):
-        kernel = torch.cuda._compile_kernel(SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}>",
-                                            nvcc_options=["-std=c++17"])
-    _COMPILED.add((nt, rw, wk, depth, device_index))
+        kernel = torch.cuda._compile_kernel(
+            SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}, {asynchronous}, {rt}>", nvcc_options=["-std=c++17"])
+        ring = ring_bytes(rw, wk, depth, asynchronous, rt)
+        if ring >= 48 * 1024:  # torch's launcher asks for this from 48 KB of dynamic shared memory on
+            kernel.set_shared_memory_config(ring)
+        elif ring + static_bytes(nt, rw, wk, rt) > 48 * 1024:  # past 48 KB in all: the driver's opt-in
+            lib = torch.cuda._utils._get_gpu_runtime_library()
+            if lib.cuFuncSetAttribute(kernel.func, 8, ring) != 0:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                raise RuntimeError(f"cuFuncSetAttribute({ring} bytes of dynamic shared memory) failed")
+        # loaded now, not at its first launch (CUDA's lazy loading), which may fall inside a CUDA graph capture
+        lib = torch.cuda._utils._get_gpu_runtime_library()
+        if hasattr(lib, "cuFuncLoad") and lib.cuFuncLoad(kernel.func) != 0:
+            raise RuntimeError("fp4_linear's CUDA form: cuFuncLoad failed")
+    _COMPILED.add((nt, rw, wk, depth, asynchronous, rt, device_index))
     return kernel
+
+
+def ring_bytes(rw: int, wk: int, depth: int, asynchronous: int, rt: int = 1) -> int:
+    """The async form's shared memory: DEPTH chunks of RT row tiles' two rows, 16 bytes a lane, a warp each."""
+    return rw * wk * depth * rt * 2 * 32 * 16 if asynchronous else 0
 
 
 _COMPILED: set = set()
@@ -302,7 +433,15 @@ def available(device: torch.device) -> tuple[bool, str]:
         return False, "the CUDA form converts E4M3 scales with sm_89's cvt"
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False, f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    if (device.index or 0) in _FAILED:
+        return False, _FAILED[device.index or 0]
     return True, ""
+
+
+def _dense(t: Tensor, align: int) -> Tensor:
+    """``t`` contiguous at an address that is a multiple of ``align`` bytes (a view at an odd offset is copied)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % align == 0 else t.clone()
 
 
 def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Tensor, cfg: dict) -> Tensor:
@@ -313,10 +452,9 @@ def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Te
     if k % CHUNK or m > MAX_M or m > 8 * cfg["nt"]:
         raise ValueError(f"fp4_linear's CUDA form takes K a multiple of {CHUNK} and M up to {8 * cfg['nt']} "
                          f"(nt={cfg['nt']}); got M={m}, K={k}")
-    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:
-        x2 = x2.contiguous()
-    w = packed.contiguous().view(torch.int32)
-    s = scales.contiguous()
+    x2 = _dense(x2, 16)  # 16-byte loads of x and of the words; 2-byte loads of the scales
+    w = _dense(packed, 16).view(torch.int32)
+    s = _dense(scales, 2)
     chunks = k // CHUNK
     split = min(cfg["split_k"], chunks)
     per_split = -(-chunks // split)
@@ -324,7 +462,10 @@ def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Te
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else torch.bfloat16, device=x2.device)
     kernel = _kernel(*_key(cfg, x2.device.index or 0))
     gs = global_scale.reshape(1).float()
-    kernel(grid=(-(-n // (16 * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-           args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
-                 out.stride(0), out.stride(1), int(split > 1)])
+    rt = cfg.get("rt", 1)
+    with torch.cuda.device(x2.device):  # the kernel's context and x's stream, whatever device is current
+        kernel(grid=(-(-n // (16 * rt * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
+               shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), rt),
+               args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
+                     out.stride(0), out.stride(1), int(split > 1)], stream=torch.cuda.current_stream(x2.device))
     return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)

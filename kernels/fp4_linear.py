@@ -39,7 +39,8 @@ from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kern
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # what the cost model's tables are keyed by
 SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_cuda", "_fp4_format", "_launch")
-CUDA_KEYS = {"cuda", "nt", "rw", "wk", "depth", "split_k"}  # the CUDA form's config (kernels/_fp4_cuda.py)
+# the CUDA form's config (kernels/_fp4_cuda.py)
+CUDA_KEYS = {"cuda", "nt", "rw", "wk", "depth", "async", "rt", "split_k"}
 
 
 @triton.jit
@@ -200,20 +201,29 @@ def _fp4_gemv_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
 
 def cuda_form_fits(x2: Tensor, q: fmt.Fp4Weight, why: list | None = None) -> bool:
     """Whether the CUDA form (kernels/_fp4_cuda.py) takes this call; the reasons it does not go into ``why``."""
-    reasons = [] if why is None else why
-    ok, reason = _fp4_cuda.available(x2.device) if x2.is_cuda and not INTERPRETED else (
+    reasons = _cuda_form_reasons(x2.device, x2.dtype, x2.shape[0], q.shape[0], x2.shape[1], q.format)
+    if why is not None:
+        why.extend(reasons)
+    return not reasons
+
+
+def _cuda_form_reasons(device: torch.device, dtype: torch.dtype, m: int, n: int, k: int, f: fmt.Fp4Format) -> list:
+    reasons = []
+    ok, reason = _fp4_cuda.available(device) if device.type == "cuda" and not INTERPRETED else (
         False, "the CUDA form runs on NVIDIA GPUs only (not under the Triton interpreter)")
     if not ok:
         reasons.append(reason)
-    if q.format is not fmt.NVFP4:
-        reasons.append(f"it takes NVFP4 weights, not {q.format.name}")
-    if x2.dtype != torch.bfloat16:
-        reasons.append(f"it takes bfloat16 activations, not {x2.dtype}")
-    if x2.shape[0] > _fp4_cuda.MAX_M or x2.shape[0] == 0:
-        reasons.append(f"it takes 1 to {_fp4_cuda.MAX_M} rows of x, not {x2.shape[0]}")
-    if x2.shape[1] % _fp4_cuda.CHUNK:
-        reasons.append(f"K must be a multiple of {_fp4_cuda.CHUNK}, not {x2.shape[1]}")
-    return not reasons
+    if f is not fmt.NVFP4:
+        reasons.append(f"it takes NVFP4 weights, not {f.name}")
+    if dtype != torch.bfloat16:
+        reasons.append(f"it takes bfloat16 activations, not {dtype}")
+    if m > _fp4_cuda.MAX_M or m == 0:
+        reasons.append(f"it takes 1 to {_fp4_cuda.MAX_M} rows of x, not {m}")
+    if k % _fp4_cuda.CHUNK or k == 0:
+        reasons.append(f"K must be a positive multiple of {_fp4_cuda.CHUNK}, not {k}")
+    if n == 0:
+        reasons.append("the weight has no rows (N=0)")
+    return reasons
 
 
 def _loaded_or_not_capturing(x2: Tensor, q: fmt.Fp4Weight) -> bool:
@@ -227,10 +237,13 @@ def _loaded_or_not_capturing(x2: Tensor, q: fmt.Fp4Weight) -> bool:
 def prepare_cuda_form(n: int, k: int, dtype: torch.dtype, device: torch.device, f: fmt.Fp4Format) -> bool:
     """Load the CUDA form's kernels for an N x K weight where the default would take it (see
     ``_loaded_or_not_capturing``); whether it did."""
-    probe = torch.empty((1, k), dtype=dtype, device=device)
-    if not cuda_form_fits(probe, fmt.Fp4Weight(f, probe, probe, probe, (n, k))):
+    if _cuda_form_reasons(device, dtype, 1, n, k, f):
         return False
-    _fp4_cuda.prepare(n, k, device, sm_count(device))
+    try:
+        _fp4_cuda.prepare(n, k, device, sm_count(device))
+    except _fp4_cuda.CompileError as e:  # a default config: the environment's fault; the Triton forms instead
+        _fp4_cuda.disable(device, str(e))
+        return False
     return True
 
 
@@ -243,10 +256,19 @@ def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
                          f"takes {sorted(CUDA_KEYS)}")
     m, k = x2.shape
     cfg = {**_fp4_cuda.config(m, q.shape[0], k, sm_count(x2.device)), **asked}
-    if (cfg["nt"] not in (1, 2) or 8 * cfg["nt"] < m or cfg["depth"] not in (2, 4)
-            or not 1 <= cfg["rw"] * cfg["wk"] <= 32):
-        raise ValueError(f"fp4_linear: CUDA form config {cfg}: nt 1 or 2 (8 nt >= M={m}), depth 2 or 4, "
-                         "rw x wk warps 1-32")
+    if (cfg["nt"] not in (1, 2) or 8 * cfg["nt"] < m or cfg["depth"] not in (2, 4, 6, 8)
+            or min(cfg["rw"], cfg["wk"], cfg["split_k"]) < 1 or cfg["rw"] * cfg["wk"] > 32
+            or cfg.get("rt", 1) not in (1, 2, 4) or cfg.get("rt", 1) == 4 and cfg["depth"] > 4
+            or cfg["nt"] == 2 and cfg["rw"] * cfg["wk"] > 16):
+        raise ValueError(f"fp4_linear: CUDA form config {cfg}: nt 1 or 2 (8 nt >= M={m}), depth 2, 4, 6 or 8, "
+                         "rw, wk and split_k at least 1, rw x wk warps at most 32 (16 with nt=2), rt 1, 2 or 4 "
+                         "(4 with depth 4 at most): past these the registers spill")
+    static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg.get("rt", 1))
+    ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1))
+    limit = torch.cuda.get_device_properties(x2.device).shared_memory_per_block_optin
+    if static > 48 * 1024 or static + ring > limit:
+        raise ValueError(f"fp4_linear: CUDA form config {cfg} needs {static} bytes of static and {ring} of dynamic "
+                         f"shared memory; {x2.device} gives a block 48 KB static, {limit} in all")
     return _fp4_cuda.fp4_linear_cuda(x2, q.packed, q.scales.view(torch.uint8), q.global_scale, cfg)
 
 
@@ -313,8 +335,15 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     asked = config or {}
-    if asked.get("cuda") or (not asked and cuda_form_fits(x2, q) and _loaded_or_not_capturing(x2, q)):
-        return _cuda_form(x2, q, asked).reshape(*lead, n)  # asked for, or the default where it fits
+    if asked.get("cuda"):
+        return _cuda_form(x2, q, asked).reshape(*lead, n)
+    if not asked and cuda_form_fits(x2, q) and _loaded_or_not_capturing(x2, q):  # the default where it fits
+        try:  # its config is valid by construction: no checks a call
+            cfg = _fp4_cuda.config(m, n, k, sm_count(x2.device))
+            return _fp4_cuda.fp4_linear_cuda(x2, q.packed, q.scales.view(torch.uint8), q.global_scale,
+                                             cfg).reshape(*lead, n)
+        except _fp4_cuda.CompileError as e:  # not offered on this device again; a Triton form instead
+            _fp4_cuda.disable(x.device, str(e))
     if not kernel_runs(x, DTYPES, needs_3_6_interpreter=True):
         return reference(x, q)
     math = asked.get("gemv_math", "f32" if x.dtype == torch.float32 else "f16x2")  # f16x2: bf16/fp16 exactly

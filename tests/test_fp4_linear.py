@@ -286,9 +286,9 @@ def test_the_cuda_form_is_asked_for_only_where_it_runs_and_says_why_not():
 
 
 def test_the_cuda_forms_config_follows_the_h200_sweep_and_its_keys_are_checked(monkeypatch):
-    # kernels/_fp4_cuda.config: the picks that s29's sweep found fastest (or within 2.4%) on an H200 at bench_fp4's
-    # shapes, a split of K for few rows; and fp4_linear's checks of a CUDA config, reached here by letting the
-    # form "fit" on the CPU (each raises before any launch)
+    # kernels/_fp4_cuda.config: the picks that s29's and s31's sweeps found fastest (or within 2.4%) on an H200 at
+    # bench_fp4's shapes, a split of K for few rows; and fp4_linear's checks of a CUDA config, reached here by
+    # letting the form "fit" on the CPU (each raises before any launch)
     from kpt_compiler.kernels import _fp4_cuda
     from kpt_compiler.kernels import fp4_linear as kernel
 
@@ -296,12 +296,18 @@ def test_the_cuda_forms_config_follows_the_h200_sweep_and_its_keys_are_checked(m
     assert [(c["wk"], c["split_k"], c["rw"], c["depth"], c["nt"]) for c in pick.values()] == [
         (8, 1, 1, 2, 1), (8, 1, 1, 2, 1), (2, 1, 1, 2, 1)]
     assert _fp4_cuda.config(16, 4096, 4096, 132)["nt"] == 2 and _fp4_cuda.config(8, 4096, 4096, 132)["nt"] == 1
+    # M=9-16: the async ring with RT row tiles a warp, s31's fastest at each shape; too few rows keep one tile
+    nine = {(n, k): _fp4_cuda.config(9, n, k, 132) for n, k in ((4096, 4096), (4096, 14336), (14336, 4096))}
+    assert [(c["rt"], c["wk"], c["async"], c["split_k"]) for c in nine.values()] == [
+        (2, 8, True, 1), (2, 8, True, 1), (4, 4, True, 1)]
+    assert "rt" not in _fp4_cuda.config(16, 1024, 4096, 132) and "rt" not in _fp4_cuda.config(8, 14336, 4096, 132)
     few = _fp4_cuda.config(1, 1024, 4096, 132)
     assert few["split_k"] > 1 and 64 * few["wk"] * few["split_k"] >= 8 * 132 // 2, few
     monkeypatch.setattr(kernel, "cuda_form_fits", lambda x2, q, why=None: True)
     q = fmt.quantize(torch.randn(16, 256))
     x = torch.randn(9, 256).to(torch.bfloat16)
-    for cfg, what in (({"depth": 3}, "depth 2 or 4"), ({"nt": 1}, r"8 nt >= M=9"), ({"rw": 8, "wk": 8}, "1-32"),
-                      ({"block_n": 64}, "Triton forms' keys")):
+    for cfg, what in (({"depth": 3}, "depth 2, 4, 6 or 8"), ({"nt": 1}, r"8 nt >= M=9"),
+                      ({"rw": 8, "wk": 8}, "at most 32"), ({"rw": -1, "wk": -1}, "at least 1"),
+                      ({"split_k": 0}, "at least 1"), ({"block_n": 64}, "Triton forms' keys")):
         with pytest.raises(ValueError, match=what):
             fp4_linear(x, q, config={"cuda": True, **cfg})

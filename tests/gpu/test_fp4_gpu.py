@@ -104,11 +104,16 @@ def test_the_bf16_pair_mma_form_is_exact_over_its_scale_range_in_ptx(f):
     (1, 4096, 14336, {}), (16, 14336, 4096, {}), (5, 1000, 512, {}), (9, 333, 1024, {"split_k": 3}),
     (16, 4096, 4096, {"wk": 1, "depth": 2}), (8, 24, 128, {}), (3, 77, 2048, {"wk": 3, "split_k": 2}),
     (2, 256, 1024, {"nt": 2, "depth": 4}), (16, 14336, 4096, {"rw": 4, "wk": 2}), (5, 1000, 512, {"rw": 2}),
-    (12, 200, 3072, {"rw": 4, "wk": 3, "split_k": 2})])
+    (12, 200, 3072, {"rw": 4, "wk": 3, "split_k": 2}), (16, 14336, 4096, {"async": True, "depth": 4}),
+    (1, 4096, 14336, {"async": True, "depth": 6}), (9, 333, 1024, {"async": True, "split_k": 3, "depth": 8}),
+    (5, 1000, 512, {"async": True, "wk": 3, "depth": 2}), (16, 14336, 4096, {"async": True, "rt": 2, "wk": 4}),
+    (13, 1000, 1024, {"async": True, "rt": 4, "wk": 2, "split_k": 2}), (3, 200, 512, {"rt": 2}),
+    (16, 4096, 4096, {"async": True, "wk": 1, "depth": 8}), (1, 4096, 14336, {"async": True, "wk": 8, "depth": 8}),
+    (5, 1000, 2048, {"async": True, "rw": 2, "wk": 2, "depth": 4})])
 def test_the_cuda_form_against_the_dequantized_matmul(M, N, K, cfg):
     # kernels/_fp4_cuda.py: ragged N and M (rows and tokens past the end read clamped, never stored), one and
     # two 8-token tiles, several row tiles a block, warps along K that do not divide the chunks, K split
-    # across blocks
+    # across blocks, the weights through shared memory (async) with rings of 2 to 8 chunks
     g = torch.Generator(device="cuda").manual_seed(M + N)
     w = torch.randn(N, K, device="cuda", generator=g) * 0.02
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
@@ -118,6 +123,58 @@ def test_the_cuda_form_against_the_dequantized_matmul(M, N, K, cfg):
     assert y.dtype == torch.bfloat16 and y.shape == (M, N)
     # the products are exact and summed in fp32: the error is the output's bf16 rounding
     torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-5 * ref.abs().max().item())
+
+
+def test_the_default_takes_the_cuda_form_where_it_fits(monkeypatch):
+    from kpt_compiler.kernels import _fp4_cuda
+
+    ran = []
+    real = _fp4_cuda.fp4_linear_cuda
+    monkeypatch.setattr(_fp4_cuda, "fp4_linear_cuda", lambda *a: ran.append(a[-1]) or real(*a))
+    q = fmt.quantize(torch.randn(256, 512, device="cuda") * 0.02)
+    for m in (1, 7, 16):
+        fp4_linear(torch.randn(m, 512, device="cuda").bfloat16(), q)
+    assert [c["nt"] for c in ran] == [1, 1, 2], ran
+    fp4_linear(torch.randn(17, 512, device="cuda").bfloat16(), q)  # past M=16: a Triton form
+    fp4_linear(torch.randn(4, 512, device="cuda").half(), q)  # fp16: a Triton form
+    assert len(ran) == 3
+
+
+def test_the_cuda_form_takes_views_at_any_offset():
+    # the kernel's 16-byte loads need aligned x and words, its 2-byte loads aligned scales: views at odd
+    # offsets are copied first, not read misaligned
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = fmt.quantize(torch.randn(64, 256, device="cuda", generator=g) * 0.02)
+    x = torch.randn(3 * 256 + 1, device="cuda", generator=g).bfloat16()[1:].view(3, 256)  # 2 bytes off
+    packed = torch.cat([torch.zeros(1, dtype=torch.uint8, device="cuda"), q.packed.flatten()])[1:].view(64, 128)
+    scales = torch.cat([torch.zeros(1, dtype=torch.uint8, device="cuda"),
+                        q.scales.view(torch.uint8).flatten()])[1:].view(64, 16)
+    moved = fmt.Fp4Weight(fmt.NVFP4, packed, scales.view(torch.float8_e4m3fn), q.global_scale, q.shape)
+    torch.testing.assert_close(fp4_linear(x, moved, config={"cuda": True}),
+                               fp4_linear(x.clone(), q, config={"cuda": True}), rtol=0, atol=0)
+
+
+def test_a_first_call_inside_a_capture_takes_a_triton_form_and_the_capture_holds():
+    # loading a CUDA-form kernel inside a capture would break it: the default takes a Triton form there while
+    # the config is not loaded, then the CUDA form once it is (kernels/fp4_linear._loaded_or_not_capturing)
+    from kpt_compiler.kernels import _fp4_cuda
+    from kpt_compiler.kernels import fp4_linear as kernel
+
+    q = fmt.quantize(torch.randn(384, 1024, device="cuda") * 0.02)
+    x = torch.randn(3, 1024, device="cuda").bfloat16()
+    fp4_linear(x, q, config={"decode": 3})  # the Triton form compiled outside the capture
+    _fp4_cuda._kernel.cache_clear()
+    _fp4_cuda._COMPILED.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp4_linear(x, q)
+    graph.replay()
+    assert not _fp4_cuda.compiled(_fp4_cuda.config(3, 384, 1024, torch.cuda.get_device_properties(0)
+                                                   .multi_processor_count), x.device)
+    torch.testing.assert_close(y, fp4_linear(x, q, config={"decode": 3}), rtol=0, atol=0)
+    kernel.prepare_cuda_form(384, 1024, torch.bfloat16, x.device, fmt.NVFP4)
+    assert _fp4_cuda.compiled(_fp4_cuda.config(3, 384, 1024, torch.cuda.get_device_properties(0)
+                                               .multi_processor_count), x.device)
 
 
 def test_the_cuda_form_is_exact_over_every_e4m3_scale():
@@ -183,7 +240,7 @@ def test_the_call_can_be_captured_in_a_cuda_graph():
     torch.testing.assert_close(y, fp4_linear(x, q))
 
 
-def test_the_fp4_pass_under_inductor_and_a_cuda_graph():
+def test_the_fp4_pass_under_inductor_and_a_cuda_graph(monkeypatch):
     import torch.nn as nn
 
     import kpt_compiler
@@ -192,6 +249,10 @@ def test_the_fp4_pass_under_inductor_and_a_cuda_graph():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 2048), nn.SiLU(), nn.Linear(2048, 1024, bias=False)).cuda().bfloat16()
     model.eval()
+    from kpt_compiler.kernels import _fp4_cuda
+    prepared = []  # the pass loads the CUDA form's kernels for each layer when it compiles (outside captures)
+    real_prepare = _fp4_cuda.prepare
+    monkeypatch.setattr(_fp4_cuda, "prepare", lambda n, k, *a: prepared.append((n, k)) or real_prepare(n, k, *a))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="kernelpytorch", options={"fp4": {"decide": "always"}})
     x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
@@ -200,6 +261,7 @@ def test_the_fp4_pass_under_inductor_and_a_cuda_graph():
         ref = model.float()(x.float())
     rec = kpt_compiler.last_report().pass_record("fp4")
     assert rec.status == "applied" and rec.matches == 2, rec.notes
+    assert sorted(set(prepared)) == [(1024, 2048), (2048, 1024)], prepared
     assert all(v > 15 for v in rec.layer_db.values()), rec.layer_db
     for out in outs:
         assert sqnr_db(out.float(), ref) > 15
