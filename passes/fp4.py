@@ -26,6 +26,11 @@ card without one declines and says that "measure" would time it; "always" takes 
 measures each layer's own output against the bf16 layer's on the example inputs (SQNR, dB) and backs out a
 layer under ``error_bound_db``.
 
+Layers taken that share their input (q, k and v; gate and up) are quantized as one weight, their rows
+concatenated, and run as one kernel whose output is split back (``merge_parallel_linears``, on by default;
+passes/_fp4_groups.py): at decode sizes a launch costs about as much as a small layer's bytes. The guard then
+measures the group's output as one rewrite, and backs out the group as one.
+
 Runs on CUDA; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1``, how CI tests it). Asked for
 on XLA or on a CPU without the interpreter, it is an error that says so.
 """
@@ -45,7 +50,7 @@ import torch.nn.functional as F
 from kpt_compiler import torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
-from . import _weight_copies
+from . import _fp4_groups, _weight_copies
 from ._fp4_release import Fp4WeightTensor
 from ._linear_layers import (check_options, decide_layer, frozen_parameter, linear_layers, not_16bit_inference,
                              operands, traced_rows)
@@ -66,6 +71,8 @@ class Fp4Options:
     # "auto": the card's calibration (a card without an fp4 table declines); "measure": time ours against the
     # 16-bit layer on the device at compile time; "always": every eligible layer
     decide: Literal["auto", "measure", "always"] = "auto"
+    # layers that share their input (q, k and v; gate and up) quantized as one weight: one kernel launch
+    merge_parallel_linears: bool = True
 
     def __post_init__(self):
         check_options(self, 32, " (one MXFP4 block)")
@@ -120,7 +127,7 @@ def refresh_weights(module: torch.nn.Module) -> int:
 
 @graph_pass("fp4", summary="inference linear weights -> 4-bit floats with block scales (NVFP4 or MXFP4), "
             "dequantized in the GEMM kernel", stage="pre_aot", options=Fp4Options, default=False, lossy=True,
-            error_bound_db=DEFAULT_BOUND_DB, statistics=("matches", "near_misses", "released_weights"),
+            error_bound_db=DEFAULT_BOUND_DB, statistics=("matches", "near_misses", "released_weights", "merged_groups"),
             supports=_supports)
 def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
     from kpt_compiler.kernels import _fp4_format
@@ -131,7 +138,7 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
     if not ctx.is_inference:
         ctx.note("not applied: a training graph (fp4 weights are for inference; the fp8 pass trains)")
         return False
-    copies, saved, kept = [], 0, 0
+    candidates = []
     for node, label in linear_layers(gm):
         why, shape = not_16bit_inference(node, ctx, "fp4 weights")
         if why is None and shape[1] % fmt.block:
@@ -141,18 +148,50 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         if why:
             ctx.near_miss(f"{label}: {why}")
             continue
-        x, w, b, transposed = operands(node)
+        x, _w, b, transposed = operands(node)
         xv = ir.example_value(x)
         (N, K), M = shape, traced_rows(x, shape[1])
         released = isinstance(param, Fp4WeightTensor)  # kpt_compiler.release_weights: fp4 is all there is
-        if not released and not _decide(ctx, label, M, K, N, xv.dtype, xv.device, fmt) or not ctx.propose(node.name):
+        if not released and not _decide(ctx, label, M, K, N, xv.dtype, xv.device, fmt):
+            continue
+        candidates.append(dict(node=node, label=label, param=param, index=index, x=x, b=b, transposed=transposed,
+                               N=N, K=K, M=M, dtype=xv.dtype, device=xv.device, released=released))
+    merged, singles = [], candidates
+    if ctx.options.merge_parallel_linears:
+        merged, singles = _fp4_groups.groups([c for c in candidates if not c["released"]], gm)
+        singles = [c for c in candidates if c["released"] or c in singles]
+    copies, saved, kept, grouped = [], 0, 0, 0
+    for members in merged:
+        if not ctx.propose("+".join(m["node"].name for m in members)):
+            continue
+        params = [m["param"] for m in members]
+        group = _fp4_groups.Fp4GroupCopy(params, fmt)
+        group.register(_TABLE, params)  # refresh_weights and release_weights find each parameter
+        op, _ = _fp4_groups.emit_group(gm, members, group, kernel)
+        N, K, dtype, device = sum(group.widths), members[0]["K"], members[0]["dtype"], members[0]["device"]
+        kernel.prepare_cuda_form(N, K, dtype, device, fmt)
+        exact = torch.cat([p.detach() for p in params])
+        ctx.check_locally("+".join(m["node"].name for m in members), op, lambda x, *_, w=exact: F.linear(x, w))
+        ctx.count(n=len(members))
+        ctx.count("merged_groups")
+        grouped += len(members)
+        indices = [m["index"] for m in members]
+        ctx.before_each_call(lambda args, group=group, indices=indices: _fp4_groups.refresh(group, indices, args))
+        saved += group.nbytes
+        kept += sum(p.nbytes for p in params)
+        ctx.note(f"{' + '.join(m['label'] for m in members)}: {members[0]['M']}x{K} @ {K}x{N} as one weight in "
+                 f"{fmt.name} (they share their input: one kernel launch instead of {len(members)}; "
+                 f"{group.nbytes / 2**20:.2f} MiB against {sum(p.nbytes for p in params) / 2**20:.2f} MiB)")
+    for c in singles:
+        node, label, param, x, b, transposed = (c[k] for k in ("node", "label", "param", "x", "b", "transposed"))
+        N, K, M, released = c["N"], c["K"], c["M"], c["released"]
+        if not ctx.propose(node.name):
             continue
         copy = None if released else copy_for(param, fmt, transposed)
         q = param.q if released else copy.q
-        fake_mode = xv.fake_mode
         parts = kernel.op_args(q)
         with gm.graph.inserting_before(node):
-            consts = [ir.add_constant(gm, f"_kpt_fp4_{kind}_{node.name}", t, fake_mode)
+            consts = [ir.add_constant(gm, f"_kpt_fp4_{kind}_{node.name}", t, ir.example_value(x).fake_mode)
                       for kind, t in zip(("packed", "scales", "scale"), parts[:3])]
             op = new = ir.emit(gm.graph, torch.ops.kpt.fp4_linear, (x, *consts, *parts[3:]), like=node)
             if b is not None:
@@ -160,7 +199,7 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         # the CUDA form's kernels are loaded now, outside any CUDA graph capture (kernels/fp4_linear.py)
-        kernel.prepare_cuda_form(N, K, xv.dtype, xv.device, fmt)
+        kernel.prepare_cuda_form(N, K, c["dtype"], c["device"], fmt)
         exact = param.dequantize() if released else param.detach()
         exact = exact.t() if transposed else exact
         ctx.check_locally(node.name, op, lambda x, *_, w=exact: F.linear(x, w))  # the guard's figure, bias aside
@@ -170,16 +209,18 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
             ctx.note(f"{label}: {M}x{K} @ {K}x{N}, weight released to {q.format.name} (its SQNR is against the "
                      f"dequantized weight: the kernel's own error; {q.nbytes() / 2**20:.2f} MiB)")
             continue
-        copies.append((index, copy))
+        copies.append((c["index"], copy))
         saved += copy.nbytes
         kept += param.nbytes
         ctx.note(f"{label}: {M}x{K} @ {K}x{N} with {fmt.name} weights ({copy.nbytes / 2**20:.2f} MiB against "
                  f"{param.nbytes / 2**20:.2f} MiB)")
-    if not copies:
+    weights = len(copies) + grouped
+    if not weights:
         return ctx.stats.get("released_weights", 0) > 0
-    ctx.count("static_weights", len(copies))
-    ctx.before_each_call(lambda args: _weight_copies.refresh(_TABLE, copies, args))
-    ctx.note(f"{len(copies)} weights in {fmt.name}: {saved / 2**20:.1f} MiB read per call instead of "
+    ctx.count("static_weights", weights)
+    if copies:
+        ctx.before_each_call(lambda args: _weight_copies.refresh(_TABLE, copies, args))
+    ctx.note(f"{weights} weights in {fmt.name}: {saved / 2**20:.1f} MiB read per call instead of "
              f"{kept / 2**20:.1f} MiB ({kept / max(saved, 1):.1f}x less); the module keeps its own copies "
              "(kpt_compiler.release_weights frees them)")
     return True

@@ -1,0 +1,157 @@
+"""fp4 layers that share their input, quantized as one weight: q, k and v (or gate and up) in one kernel launch.
+
+At decode sizes an fp4 GEMV is bound by latency as much as by bytes: on an H200 at batch 1 the k and v
+projections of a 4096-wide Llama with grouped-query attention (1024 rows each) took a split of K, a reduction and
+a cast, 10 us each, for 2 MiB of weights, beside 7 us for q's 8 MiB (profile of s31,
+benchmarks/results/nvidia-h200/2026-11-29-s31-decode-profile-b1-08f7303.md). The fusion group's
+merge-parallel-linears does this for 16-bit layers; the fp4 pass runs before it (it must see the plain linears),
+so it merges its own: the concatenation [sum of N, K] is quantized once (NVFP4: one tensor scale for the group)
+and the outputs are split back.
+
+The group's copy is made again, whole and in place, when any member's parameter changes. Each member also has a
+handle in the fp4 pass's copy table (``Fp4Member``: the member's rows of the group's codes and scales), so that
+``kpt_compiler.refresh_weights`` and ``release_weights`` find every parameter, as they do a layer's own copy.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+
+import torch
+import torch.fx as fx
+
+from kpt_compiler import torch_ir as ir
+
+from . import _weight_copies
+from .merge_parallel_linears import _mergeable
+
+
+class Fp4GroupCopy:
+    """The weights of ``params`` ([N_i, K] each, 16-bit) concatenated along N, in fp4 format ``fmt``."""
+
+    def __init__(self, params: list[torch.Tensor], fmt):
+        from kpt_compiler.kernels import _fp4_format
+
+        self.fmt, self.widths = fmt, [p.shape[0] for p in params]
+        self.refs = [weakref.ref(p) for p in params]
+        with torch.no_grad():
+            q = _fp4_format.quantize(torch.cat([p.detach() for p in params]), fmt)
+        self.parts = (q.packed, q.scales, q.global_scale)
+        self.q = q
+        self._mark(params)
+        self.members = []
+        row = 0
+        for j, (p, n) in enumerate(zip(params, self.widths)):
+            self.members.append(Fp4Member(self, j, p, row, n))
+            row += n
+
+    def register(self, table, params) -> None:
+        """Each member's handle into the pass's copy table under a key of the group's own (a layer's own copy,
+        from a compile without groups, stays beside it): refresh_weights and release_weights look there."""
+        for p, member in zip(params, self.members):
+            mine = table.get(p)
+            if mine is None:
+                mine = table[p] = weakref.WeakValueDictionary()
+            member.key = ("group", self.fmt.name, id(self))
+            mine[member.key] = member
+
+    def _mark(self, params) -> None:
+        self.made_from = [(weakref.ref(p), p._version, p.data_ptr()) for p in params]
+
+    def stale(self, params) -> bool:
+        return any(ref() is not p or (p._version, p.data_ptr()) != (v, ptr)
+                   for (ref, v, ptr), p in zip(self.made_from, params))
+
+    def remake(self, params) -> None:
+        """Quantize the members' weights again into the same tensors (the graphs read them)."""
+        from kpt_compiler.kernels import _fp4_format
+
+        with torch.no_grad():
+            q = _fp4_format.quantize(torch.cat([p.detach() for p in params]), self.fmt)
+            for mine, theirs in zip(self.parts, (q.packed, q.scales, q.global_scale)):
+                mine.copy_(theirs)
+        self.refs = [weakref.ref(p) for p in params]
+        self._mark(params)
+
+    def current(self) -> list[torch.Tensor] | None:
+        params = [r() for r in self.refs]
+        return None if any(p is None for p in params) else params
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes()
+
+
+class Fp4Member(_weight_copies.WeightCopy):
+    """One member's view of a group copy, as the copy table holds a layer's own copy: ``q`` is the member's rows
+    of the group's codes and block scales with the group's tensor scale (a valid fp4 weight of its own)."""
+
+    def __init__(self, group: Fp4GroupCopy, j: int, param: torch.Tensor, row: int, n: int):
+        from kpt_compiler.kernels import _fp4_format
+
+        self.group, self.j = group, j
+        self.transposed, self.dtype, self.device, self.shape = False, param.dtype, param.device, tuple(param.shape)
+        packed, scales, scale = group.parts
+        self.parts = (packed[row:row + n], scales[row:row + n], scale)
+        self.q = _fp4_format.Fp4Weight(group.fmt, *self.parts, self.shape)
+        self._mark(param)
+
+    def refresh(self, param: torch.Tensor) -> None:
+        params = self.group.current()
+        if params is None:  # another member is gone: the graph's own check remakes the group on its next call
+            return
+        params[self.j] = param
+        self.group.remake(params)
+        for m, p in zip(self.group.members, params):
+            m._mark(p)
+
+
+def groups(candidates: list[dict], gm: fx.GraphModule) -> tuple[list[list[dict]], list[dict]]:
+    """``candidates`` (the layers the pass would rewrite: dicts with ``node``, ``x``, ``K``, ``dtype``,
+    ``transposed``) split into groups of two or more that share their input (each member's inputs defined before
+    the group's first layer, every ``.view`` of a member valid on a slice of the merged output) and the rest."""
+    by_node = {c["node"]: c for c in candidates}
+    keyed: dict = {}
+    for c in candidates:
+        if not c["transposed"]:
+            keyed.setdefault((c["x"], c["K"], c["dtype"]), []).append(c["node"])
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    taken, out = set(), []
+    for _key, nodes in _mergeable(keyed, order):
+        out.append([by_node[n] for n in nodes])
+        taken.update(nodes)
+    return out, [c for c in candidates if c["node"] not in taken]
+
+
+def refresh(group: Fp4GroupCopy, indices: list[int], args) -> None:
+    """Before a call: remake ``group`` if a member's argument (by position) is not what it was made from."""
+    params = [args[i] for i in indices]
+    if group.stale(params):
+        group.remake(params)
+        for m, p in zip(group.members, params):
+            m._mark(p)
+
+
+def emit_group(gm: fx.GraphModule, members: list[dict], group: Fp4GroupCopy, kernel) -> tuple[fx.Node, list]:
+    """The merged ``kpt::fp4_linear`` before the first member, its outputs split back (with each member's bias
+    added), each member's uses moved to its part. Returns the merged node and the members' new nodes."""
+    first = members[0]["node"]
+    x = members[0]["x"]
+    parts = kernel.op_args(group.q)
+    fake_mode = ir.example_value(x).fake_mode
+    with gm.graph.inserting_before(first):
+        consts = [ir.add_constant(gm, f"_kpt_fp4_{kind}_{first.name}_group", t, fake_mode)
+                  for kind, t in zip(("packed", "scales", "scale"), parts[:3])]
+        op = ir.emit(gm.graph, torch.ops.kpt.fp4_linear, (x, *consts, *parts[3:]), like=first)
+        split = ir.emit(gm.graph, torch.split, (op, group.widths, -1), like=first)
+        news = []
+        for i, m in enumerate(members):
+            new = ir.emit(gm.graph, operator.getitem, (split, i), like=m["node"])
+            if m["b"] is not None:
+                new = ir.emit(gm.graph, torch.add, (new, m["b"]), like=m["node"])
+            news.append(new)
+    for m, new in zip(members, news):
+        m["node"].replace_all_uses_with(new)
+        gm.graph.erase_node(m["node"])
+    return op, news
