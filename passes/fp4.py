@@ -170,8 +170,9 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         op, _ = _fp4_groups.emit_group(gm, members, group, kernel)
         N, K, dtype, device = sum(group.widths), members[0]["K"], members[0]["dtype"], members[0]["device"]
         kernel.prepare_cuda_form(N, K, dtype, device, fmt)
-        exact = torch.cat([p.detach() for p in params])
-        ctx.check_locally("+".join(m["node"].name for m in members), op, lambda x, *_, w=exact: F.linear(x, w))
+        # the guard's reference concatenates when it runs: a copy held here would stay as long as the graph
+        ctx.check_locally("+".join(m["node"].name for m in members), op,
+                          lambda x, *_, ps=params: F.linear(x, torch.cat([p.detach() for p in ps])))
         ctx.count(n=len(members))
         ctx.count("merged_groups")
         grouped += len(members)
