@@ -42,7 +42,8 @@ an H200, s29: one row tile a block and 2 chunks in flight were the fastest).
 ``config={"async": True}`` sends the weights through shared memory instead (``cp.async.cg`` into a ring of
 DEPTH chunks a warp, read back by the lane that copied them, so no barrier): the bytes in flight then hold no
 registers (79-84 registers at DEPTH 4-6 against 86 for the register pipeline at DEPTH 2, nvcc 13.0 for sm_90),
-so more of them can be in flight per SM. Written in session 29 after its GPU time was spent: not yet run.
+so more of them can be in flight per SM. Written in session 29; GPU-run in session 31, where with RT row tiles
+a warp it became the default at M=9-16 (``config``).
 Loading a kernel (NVRTC, then a module load) inside a CUDA graph capture would break the capture: ``prepare``
 loads the configs a weight will use when the fp4 pass compiles, and fp4_linear's default takes a Triton form
 in a capture where the kernel is not loaded.
@@ -330,7 +331,8 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     and at least 2 chunks a warp; then a split of K across blocks while there are fewer than 8 warps an SM. One row
     tile a block, 2 chunks of weights in flight a warp. From bench_fp4 --sweep --forms cuda on an H200 (s29): the
     fastest config at 4096x4096, 14336x4096 and 4096x14336, M = 1, 4 and 8, was this one or within 2.4% of it
-    (several row tiles a block, 4 chunks in flight and a split of K were slower there).
+    (several row tiles a block, 4 chunks in flight and a split of K were slower there); in s31's sweep the
+    async ring with 2 row tiles beat it by up to 6% at 14336x4096, M = 4 and 8.
     At M=9-16 (two token tiles), where there are rows enough (at least 4 warps an SM at WK=8): each warp takes RT
     row tiles (4 where that still leaves a block an SM, else 2) through the cp.async ring, with about 8 warps an
     SM. The sweep of s31 (H200) found this 1.2x (4096x14336) and 1.65x (14336x4096) faster than one row tile, and

@@ -73,10 +73,19 @@ class Fp4GroupCopy:
                 mine.copy_(theirs)
         self.refs = [weakref.ref(p) for p in params]
         self._mark(params)
+        for m, p in zip(self.members, params):
+            m._mark(p)
 
-    def current(self) -> list[torch.Tensor] | None:
-        params = [r() for r in self.refs]
+    def current(self, but: dict | None = None) -> list[torch.Tensor] | None:
+        """The members' parameters (``but``: position -> the one to take there instead), None if one is gone."""
+        params = [(but or {}).get(j, r()) for j, r in enumerate(self.refs)]
         return None if any(p is None for p in params) else params
+
+    def same(self, params, fmt) -> bool:
+        """Whether this group is the copy of ``params`` (by identity, in order) in ``fmt``."""
+        mine = self.current()
+        return fmt is self.fmt and mine is not None and len(mine) == len(params) and all(
+            a is b for a, b in zip(mine, params))
 
     @property
     def nbytes(self) -> int:
@@ -90,21 +99,30 @@ class Fp4Member(_weight_copies.WeightCopy):
     def __init__(self, group: Fp4GroupCopy, j: int, param: torch.Tensor, row: int, n: int):
         from kpt_compiler.kernels import _fp4_format
 
-        self.group, self.j = group, j
+        self._group, self.j = weakref.ref(group), j  # the group holds its members: no cycle to keep it alive
         self.transposed, self.dtype, self.device, self.shape = False, param.dtype, param.device, tuple(param.shape)
         packed, scales, scale = group.parts
         self.parts = (packed[row:row + n], scales[row:row + n], scale)
         self.q = _fp4_format.Fp4Weight(group.fmt, *self.parts, self.shape)
         self._mark(param)
 
+    def _params(self, param: torch.Tensor) -> list[torch.Tensor] | None:
+        group = self._group()
+        params = None if group is None else group.current(but={self.j: param})
+        return params
+
+    def fits(self, param: torch.Tensor) -> bool:
+        """Also: the group can be made again from here (every other member's parameter still there; one that
+        was replaced is remade by the graph's own check before its next call). Else refresh_weights and
+        release_weights pass this handle by: a release would take codes that may be out of date."""
+        return super().fits(param) and self._params(param) is not None
+
     def refresh(self, param: torch.Tensor) -> None:
-        params = self.group.current()
-        if params is None:  # another member is gone: the graph's own check remakes the group on its next call
-            return
-        params[self.j] = param
-        self.group.remake(params)
-        for m, p in zip(self.group.members, params):
-            m._mark(p)
+        """Make the whole group again (refresh_weights asks each member: a write through ``.data`` moves no
+        version, so there is nothing to tell a fresh group from a stale one)."""
+        params = self._params(param)
+        if params is not None:
+            self._group().remake(params)
 
 
 def groups(candidates: list[dict], gm: fx.GraphModule) -> tuple[list[list[dict]], list[dict]]:
@@ -124,13 +142,31 @@ def groups(candidates: list[dict], gm: fx.GraphModule) -> tuple[list[list[dict]]
     return out, [c for c in candidates if c["node"] not in taken]
 
 
-def refresh(group: Fp4GroupCopy, indices: list[int], args) -> None:
-    """Before a call: remake ``group`` if a member's argument (by position) is not what it was made from."""
+def find_or_make(table, params: list[torch.Tensor], fmt) -> Fp4GroupCopy:
+    """The group copy of ``params`` that another graph already made (the prefill and the decode graph of one
+    model share theirs, as single layers share their copies), made again if a member changed since; else a
+    new one, registered in ``table``."""
+    for handle in list((table.get(params[0]) or {}).values()):
+        group = handle._group() if isinstance(handle, Fp4Member) else None
+        if group is not None and group.same(params, fmt):
+            if group.stale(params):
+                group.remake(params)
+            return group
+    group = Fp4GroupCopy(params, fmt)
+    group.register(table, params)
+    return group
+
+
+def refresh(table, group: Fp4GroupCopy, indices: list[int], args) -> None:
+    """Before a call: remake ``group`` if a member's argument (by position) is not what it was made from; a
+    parameter replaced by another object gets the member's handle in ``table`` (refresh_weights looks there)."""
     params = [args[i] for i in indices]
     if group.stale(params):
+        mine = group.current()
+        replaced = mine is None or any(a is not b for a, b in zip(mine, params))
         group.remake(params)
-        for m, p in zip(group.members, params):
-            m._mark(p)
+        if replaced:
+            group.register(table, params)
 
 
 def emit_group(gm: fx.GraphModule, members: list[dict], group: Fp4GroupCopy, kernel) -> tuple[fx.Node, list]:

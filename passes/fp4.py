@@ -29,7 +29,9 @@ layer under ``error_bound_db``.
 Layers taken that share their input (q, k and v; gate and up) are quantized as one weight, their rows
 concatenated, and run as one kernel whose output is split back (``merge_parallel_linears``, on by default;
 passes/_fp4_groups.py): at decode sizes a launch costs about as much as a small layer's bytes. The guard then
-measures the group's output as one rewrite, and backs out the group as one.
+measures the group's output as one rewrite, and backs out the group as one; a member's own error is not
+measured apart (a narrow member, v beside q, weighs less in the group's figure). Weights released by
+``release_weights`` run one kernel each again.
 
 Runs on CUDA; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1``, how CI tests it). Asked for
 on XLA or on a CPU without the interpreter, it is an error that says so.
@@ -159,14 +161,14 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
     merged, singles = [], candidates
     if ctx.options.merge_parallel_linears:
         merged, singles = _fp4_groups.groups([c for c in candidates if not c["released"]], gm)
-        singles = [c for c in candidates if c["released"] or c in singles]
+        alone = {id(c) for c in singles}
+        singles = [c for c in candidates if c["released"] or id(c) in alone]
     copies, saved, kept, grouped = [], 0, 0, 0
     for members in merged:
         if not ctx.propose("+".join(m["node"].name for m in members)):
             continue
         params = [m["param"] for m in members]
-        group = _fp4_groups.Fp4GroupCopy(params, fmt)
-        group.register(_TABLE, params)  # refresh_weights and release_weights find each parameter
+        group = _fp4_groups.find_or_make(_TABLE, params, fmt)  # each member in the table: refresh and release
         op, _ = _fp4_groups.emit_group(gm, members, group, kernel)
         N, K, dtype, device = sum(group.widths), members[0]["K"], members[0]["dtype"], members[0]["device"]
         kernel.prepare_cuda_form(N, K, dtype, device, fmt)
@@ -177,7 +179,7 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         ctx.count("merged_groups")
         grouped += len(members)
         indices = [m["index"] for m in members]
-        ctx.before_each_call(lambda args, group=group, indices=indices: _fp4_groups.refresh(group, indices, args))
+        ctx.before_each_call(lambda args, g=group, i=indices: _fp4_groups.refresh(_TABLE, g, i, args))
         saved += group.nbytes
         kept += sum(p.nbytes for p in params)
         ctx.note(f"{' + '.join(m['label'] for m in members)}: {members[0]['M']}x{K} @ {K}x{N} as one weight in "
