@@ -2,56 +2,11 @@
 through ``mma.sync`` with the weights decoded in registers; compiled at first use by NVRTC
 (``torch.cuda._compile_kernel``) for the device at hand.
 
-Why a hand-written kernel: the Triton MMA form spends 6.1-6.6 instructions a code in its sm_90 loop and the dot
-form 7.7-8.2 (benchmarks/diag_fp4_sass.py), and Triton routes the decoded tile through layout conversions; on an
-H200 they run at one wave of 3.6 warps a scheduler and use a quarter to a third of the memory bandwidth (s28,
-ncu). Here each
-thread owns its fragment of the MMA outright, so nothing moves between threads: per 128 K a thread decodes 64
-codes (two rows of the weight, 16 bytes each) and feeds them to 8 MMAs per 8 tokens.
-
-The layout is the portable one (kernels/_fp4_format.py: element 2j in byte j's low nibble; an int32 word holds
-elements 8j..8j+7, element 8j + t in bits 4t..4t+3) and the scales are the E4M3 bytes as quantized: nothing is
-repacked, so every other form and the export read the same tensors. What makes that work is that K is a sum:
-any pairing of weight elements with MMA positions is right as long as x's elements take the same positions.
-``y.T = w x.T`` (the weight is the MMA's 16-row A operand, x its 8-column B operand, as in _fp4_mma.py):
-- lane (g, t) (g = lane / 4, t = lane % 4) holds rows g and g + 8 of a 16-row tile and, of each 128-K chunk,
-  elements 32t..32t+31: 16 bytes a row, one 16-byte load each, the four lanes of a row reading 64 contiguous
-  bytes;
-- word j of those (elements 8j'..8j'+7, j' = 4t + j) gives two MMA steps: pairs (0, 4) and (1, 5) of the word
-  as the A registers of step 2j (a0/a2 row g, a1/a3 row g + 8), pairs (2, 6) and (3, 7) of step 2j + 1.
-  Nibbles t and t + 4 sit at the same place in the two 16-bit halves, so a pair decodes in both halves at once
-  to bf16 code bits (value * 2^-126, as _fp4_mma.py): the pair's nibbles isolated (one AND; pairs 2 and 3 from
-  the word shifted by 8), one multiply by 2^a + 2^b that puts a copy of each nibble where its magnitude and
-  where its sign belong, one AND that keeps those bits, one bf16x2 FMA with -0 by the block scale (ptxas makes
-  it an HMUL2). With the x permutes, 3.0 instructions a code in ptxas's loop at one token tile, 3.5 at two
-  (``python -m benchmarks.diag_fp4_sass --cuda``, nvcc 13.0, results/sm90-compiled/2026-11-29-s29-*);
-- x's pairs are built to match: lane (g, t) loads token g's elements 32t..32t+31 (four 16-byte loads) and one
-  byte permute (``prmt``) makes each B register, (x[8j'], x[8j' + 4]) and so on.
-A lane's 32 elements of a row span two NVFP4 blocks (words 0-1 and 2-3), so four scales a chunk per lane:
-``cvt.rn.f16x2.e4m3x2`` converts a row's two E4M3 bytes exactly to fp16, and a shift and an add move fp16's
-exponent to bf16's biased by 118 (s' = scale * 2^118, as _fp4_mma.py: weight * 2^-8, exact). The tensor scale
-and 2^8 go onto the fp32 sums at the end.
-
-Memory: the weight and scale loads of chunk c + DEPTH - 1 are issued before chunk c is decoded (registers as the
-pipeline, ``ld.global.nc.L1::no_allocate``: read once), x's one chunk ahead (it is small and cached). Rows past
-N and tokens past M read the last row or token (their sums are never stored), so no load is predicated. A
-block holds RW row tiles (one warp each, sharing x through L1) times WK warps that take interleaved chunks of
-the same rows and add their sums in shared memory; the grid's second axis splits K further when there are too
-few row tiles, its fp32 partial sums added after (as the Triton forms do). ``config`` picks them (measured on
-an H200, s29: one row tile a block and 2 chunks in flight were the fastest).
-``config={"async": True}`` sends the weights through shared memory instead (``cp.async.cg`` into a ring of
-DEPTH chunks a warp, read back by the lane that copied them, so no barrier): the bytes in flight then hold no
-registers (79-84 registers at DEPTH 4-6 against 86 for the register pipeline at DEPTH 2, nvcc 13.0 for sm_90),
-so more of them can be in flight per SM. Written in session 29; GPU-run in session 31, where with RT row tiles
-a warp it became the default at M=9-16 (``config``).
-Loading a kernel (NVRTC, then a module load) inside a CUDA graph capture would break the capture: ``prepare``
-loads the configs a weight will use when the fp4 pass compiles, and fp4_linear's default takes a Triton form
-in a capture where the kernel is not loaded.
-Requirements (checked by the caller): K a multiple of 128, NVFP4, bf16 x, compute capability 8.9 or newer
-(``cvt`` from E4M3).
-
-Figures (H200, s29, ``benchmarks/results/nvidia-h200/2026-11-29-s29-README.md``): 1.9-2.2x bf16 cuBLAS at M=1
-and 4, 1.2-1.6x at M=16 on bench_fp4's shapes; the weights read at 1.5-2.3 TB/s at M=1-4, 1.1-1.4 at M=16.
+Design notes (why a hand-written kernel, the fragment layout and its decode, the memory pipeline, the async
+ring): docs/fp4-cuda-kernel.md. ``config`` picks the launch settings (H200 sweeps of s29 and s31); ``prepare``
+loads a weight's kernels when the fp4 pass compiles, since loading one inside a CUDA graph capture would break
+it, and fp4_linear's default takes a Triton form in a capture where the kernel is not loaded. Requirements
+(checked by the caller): K a multiple of 128, NVFP4, bf16 x, compute capability 8.9 or newer (``cvt`` from E4M3).
 """
 
 from __future__ import annotations
@@ -326,17 +281,8 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 
 @functools.lru_cache(maxsize=4096)  # a call per layer and step: the same few shapes (read only: callers copy)
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
-    """Up to M=8 (one token tile): warps along K (WK), the most, up to 8, that keep the grid within about 16 warps
-    an SM (what fits at the kernel's 86-121 registers, benchmarks/results/sm90-compiled/2026-11-29-s29-fp4-cuda-sass-*)
-    and at least 2 chunks a warp; then a split of K across blocks while there are fewer than 8 warps an SM. One row
-    tile a block, 2 chunks of weights in flight a warp. From bench_fp4 --sweep --forms cuda on an H200 (s29): the
-    fastest config at 4096x4096, 14336x4096 and 4096x14336, M = 1, 4 and 8, was this one or within 2.4% of it
-    (several row tiles a block, 4 chunks in flight and a split of K were slower there); in s31's sweep the
-    async ring with 2 row tiles beat it by up to 6% at 14336x4096, M = 4 and 8.
-    At M=9-16 (two token tiles), where there are rows enough (at least 4 warps an SM at WK=8): each warp takes RT
-    row tiles (4 where that still leaves a block an SM, else 2) through the cp.async ring, with about 8 warps an
-    SM. The sweep of s31 (H200) found this 1.2x (4096x14336) and 1.65x (14336x4096) faster than one row tile, and
-    as fast at 4096x4096."""
+    """The launch settings for M x N x K: the register pipeline up to M=8, the async ring with row tiles a warp
+    from M=9 (measured on an H200 in s29 and s31; the reasoning in docs/fp4-cuda-kernel.md, "config")."""
     chunks = k // CHUNK
     tiles = -(-n // 16)
     rt = 4 if -(-tiles // 4) >= sms else 2

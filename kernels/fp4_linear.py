@@ -1,9 +1,8 @@
-"""``y = x @ w.T`` with ``w`` stored in fp4 (NVFP4 or MXFP4, kernels/_fp4_format.py), dequantized in registers
-(issue 18; the fp4 pass emits it as ``kpt::fp4_linear``).
+"""``y = x @ w.T``, ``w`` in fp4 (NVFP4 or MXFP4, _fp4_format.py) dequantized in registers: ``kpt::fp4_linear``.
 
 On NVIDIA GPUs from sm_89, NVFP4 weights with bf16 activations at M=1-16 and K a multiple of 128 take the CUDA
 C++ form by default (``config={"cuda": True}``, kernels/_fp4_cuda.py: mma.sync with each lane decoding its own
-fragment, 1.9-2.2x bf16 at M=1-4 on an H200). Everything else takes the Triton forms below.
+fragment; figures in docs/fp4.md). Everything else takes the Triton forms below.
 
 The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor scale). Two forms:
 - GEMV (M=1 by default): CUDA cores. The packed bytes are read as int32 words of 8 codes and decoded by bit
@@ -11,8 +10,7 @@ The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor 
   2^-14), multiplied by x and summed per scale block within a thread; the sums across threads are taken once,
   at the end. Two arithmetics: for 16-bit activations by default, x scaled per word into fp16's range and the
   products summed in fp16 pairs (``_fp4_gemv.py``, 7-15% faster on an H200, s27); for fp32 activations, or
-  ``gemv_math="f32"``, in fp32 (``_fp4_gemv_kernel``). Both are bound by the decode's work, not
-  memory (benchmarks/diag_fp4_gemv.py).
+  ``gemv_math="f32"``, in fp32 (``_fp4_gemv_kernel``). Both bound by the decode (benchmarks/diag_fp4_gemv.py).
 - dot (``_fp4_linear_kernel``): per K step x [BLOCK_M, BLOCK_K] and the weight's words [BLOCK_N, BLOCK_K / 8]
   decoded the same way and joined into K order (DECODE=2, the default; 1: bytes by the same bit operations in
   Triton; 0: bytes by integer arithmetic and an int-to-float conversion, the slowest), each block times its
@@ -21,8 +19,7 @@ The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor 
   activations, the default for them up to M=16 with NVFP4): ``_fp4_mma.py``, the words decoded straight to
   scaled bf16 pairs and the weight as the MMA's first operand (MXFP4 only when asked: block scales up to 2^9).
 Small M splits K over several programs (fp32 partial sums added after) so that every SM has work. The NVFP4
-tensor scale is read from memory (no host sync: the call can be captured in a CUDA graph). Figures:
-benchmarks/results/nvidia-h200/2026-11-27-s15-fp4-e0af78f.md (1.5-1.65x bf16 cuBLAS at M=1; M=16 does not pay).
+tensor scale is read from memory (no host sync: the call can be captured in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -283,12 +280,9 @@ GEMV_MAX_M = 1  # up to this M the GEMV form (CUDA cores) by default; past it th
 
 def config_for(m: int, n: int, k: int, block: int, scaled_dot: bool = False, gemv: bool | None = None,
                gemv_math: str = "f16x2", dtype: torch.dtype | None = None, e8m0: bool = False) -> dict:
-    """Tile sizes, split-K, form and launch settings for an M x N x K product (from bench_fp4 --sweep and the
-    GEMV form's diagnosis on an H200, s15 and s27). ``gemv``: the form asked for (None: the GEMV up to
-    GEMV_MAX_M); ``gemv_math``: its arithmetic (f16x2: 8 rows a program and 2048 codes a step were the fastest at
-    all three of bench_fp4's shapes, H200 s27); ``dtype``: the activations' (bf16 up to M=16 with NVFP4's E4M3
-    scales: the bf16-pair MMA form, decode=3, 7-14% faster than decode=2 at M=2-16 on bench_fp4's shapes, H200
-    s28; ``e8m0``: MXFP4, whose scales past 2^9 that form cannot take)."""
+    """The Triton forms' tiles, split-K and form for M x N x K (bench_fp4 --sweep, H200 s15/s27/s28). ``gemv``:
+    the form asked for (None: the GEMV up to GEMV_MAX_M); ``gemv_math``: its arithmetic; ``dtype``: the
+    activations' (bf16 to M=16 with NVFP4: decode=3, 7-14% faster than 2); ``e8m0``: MXFP4 (decode=3 cannot)."""
     if gemv is None:
         gemv = m <= GEMV_MAX_M and not scaled_dot
     if gemv and gemv_math == "f16x2":

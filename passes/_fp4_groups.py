@@ -191,3 +191,32 @@ def emit_group(gm: fx.GraphModule, members: list[dict], group: Fp4GroupCopy, ker
         m["node"].replace_all_uses_with(new)
         gm.graph.erase_node(m["node"])
     return op, news
+
+
+def released_rows(members: list[dict]):
+    """The released weights of ``members`` (``release_weights`` over a group: each member's codes are rows of
+    its group's tensors) as one weight, where they are consecutive rows of the same tensors with one tensor
+    scale, in this order; else None (they run one kernel each). A view: nothing is copied."""
+    from types import SimpleNamespace
+
+    from kpt_compiler.kernels import _fp4_format
+
+    ws = [m["param"] for m in members]
+    if any(w.transposed or w.fmt != ws[0].fmt or w.global_scale.data_ptr() != ws[0].global_scale.data_ptr()
+           for w in ws):
+        return None
+    parts = []
+    for name in ("packed", "scales"):
+        ts = [getattr(w, name) for w in ws]
+        base = ts[0]._base
+        if base is None or base.dim() != 2 or any(t._base is not base or not t.is_contiguous() for t in ts):
+            return None
+        row_bytes = base.stride(0) * base.element_size()
+        if any(b.data_ptr() != a.data_ptr() + a.shape[0] * row_bytes for a, b in zip(ts, ts[1:])):
+            return None
+        first = (ts[0].data_ptr() - base.data_ptr()) // row_bytes
+        parts.append(base[first:first + sum(t.shape[0] for t in ts)])
+    widths = [w.shape[0] for w in ws]
+    q = _fp4_format.Fp4Weight(_fp4_format.FORMATS[ws[0].fmt], *parts, ws[0].global_scale,
+                              (sum(widths), members[0]["K"]))
+    return SimpleNamespace(q=q, widths=widths, nbytes=q.nbytes())

@@ -159,32 +159,44 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         candidates.append(dict(node=node, label=label, param=param, index=index, x=x, b=b, transposed=transposed,
                                N=N, K=K, M=M, dtype=xv.dtype, device=xv.device, released=released))
     merged, singles = [], candidates
-    if ctx.options.merge_parallel_linears:
-        merged, singles = _fp4_groups.groups([c for c in candidates if not c["released"]], gm)
-        alone = {id(c) for c in singles}
-        singles = [c for c in candidates if c["released"] or id(c) in alone]
+    if ctx.options.merge_parallel_linears:  # fresh weights, and released ones that were a group's rows
+        merged = [g for released in (False, True)
+                  for g in _fp4_groups.groups([c for c in candidates if c["released"] is released], gm)[0]
+                  if not released or _fp4_groups.released_rows(g) is not None]
+        taken = {id(c) for g in merged for c in g}
+        singles = [c for c in candidates if id(c) not in taken]
     copies, saved, kept, grouped = [], 0, 0, 0
     for members in merged:
         if not ctx.propose("+".join(m["node"].name for m in members)):
             continue
         params = [m["param"] for m in members]
-        group = _fp4_groups.find_or_make(_TABLE, params, fmt)  # each member in the table: refresh and release
+        released = members[0]["released"]
+        if released:  # the codes release_weights left, read as they are
+            group = _fp4_groups.released_rows(members)
+        else:
+            group = _fp4_groups.find_or_make(_TABLE, params, fmt)  # each member in the table: refresh and release
         op, _ = _fp4_groups.emit_group(gm, members, group, kernel)
         N, K, dtype, device = sum(group.widths), members[0]["K"], members[0]["dtype"], members[0]["device"]
         kernel.prepare_cuda_form(N, K, dtype, device, fmt)
-        # the guard's reference concatenates when it runs: a copy held here would stay as long as the graph
+        # the guard's reference is made when it runs: a copy held here would stay as long as the compile
         ctx.check_locally("+".join(m["node"].name for m in members), op,
-                          lambda x, *_, ps=params: F.linear(x, torch.cat([p.detach() for p in ps])))
+                          lambda x, *_, ps=params: F.linear(x, torch.cat([_exact(p) for p in ps])))
         ctx.count(n=len(members))
         ctx.count("merged_groups")
+        names = " + ".join(m["label"] for m in members)
+        if released:
+            ctx.count("released_weights", len(members))
+            ctx.note(f"{names}: {members[0]['M']}x{K} @ {K}x{N}, weights released to {group.q.format.name}, read as "
+                     f"one (one kernel launch instead of {len(members)}; SQNR against the dequantized weights)")
+            continue
         grouped += len(members)
         indices = [m["index"] for m in members]
         ctx.before_each_call(lambda args, g=group, i=indices: _fp4_groups.refresh(_TABLE, g, i, args))
         saved += group.nbytes
         kept += sum(p.nbytes for p in params)
-        ctx.note(f"{' + '.join(m['label'] for m in members)}: {members[0]['M']}x{K} @ {K}x{N} as one weight in "
-                 f"{fmt.name} (they share their input: one kernel launch instead of {len(members)}; "
-                 f"{group.nbytes / 2**20:.2f} MiB against {sum(p.nbytes for p in params) / 2**20:.2f} MiB)")
+        ctx.note(f"{names}: {members[0]['M']}x{K} @ {K}x{N} as one weight in {fmt.name} (they share their input: "
+                 f"one kernel launch instead of {len(members)}; {group.nbytes / 2**20:.2f} MiB against "
+                 f"{sum(p.nbytes for p in params) / 2**20:.2f} MiB)")
     for c in singles:
         node, label, param, x, b, transposed = (c[k] for k in ("node", "label", "param", "x", "b", "transposed"))
         N, K, M, released = c["N"], c["K"], c["M"], c["released"]
@@ -203,9 +215,8 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         gm.graph.erase_node(node)
         # the CUDA form's kernels are loaded now, outside any CUDA graph capture (kernels/fp4_linear.py)
         kernel.prepare_cuda_form(N, K, c["dtype"], c["device"], fmt)
-        exact = param.dequantize() if released else param.detach()
-        exact = exact.t() if transposed else exact
-        ctx.check_locally(node.name, op, lambda x, *_, w=exact: F.linear(x, w))  # the guard's figure, bias aside
+        # the guard's figure, bias aside; a released weight is dequantized only while the guard measures
+        ctx.check_locally(node.name, op, lambda x, *_, p=param, t=transposed: F.linear(x, _exact(p, t)))
         ctx.count()
         if released:
             ctx.count("released_weights")
@@ -227,6 +238,13 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
              f"{kept / 2**20:.1f} MiB ({kept / max(saved, 1):.1f}x less); the module keeps its own copies "
              "(kpt_compiler.release_weights frees them)")
     return True
+
+
+def _exact(param: torch.Tensor, transposed: bool = False) -> torch.Tensor:
+    """The layer's weight [N, K] in its precision (a released one dequantized) for the guard's reference;
+    ``transposed``: the layer stores it [K, N] (an addmm)."""
+    w = param.dequantize() if isinstance(param, Fp4WeightTensor) else param.detach()
+    return w.t() if transposed else w
 
 
 @functools.cache

@@ -135,9 +135,10 @@ def test_the_group_follows_each_member_and_refresh_and_release_reach_every_membe
     assert old() is None
     assert all(isinstance(m.weight, Fp4WeightTensor) for m in (model.q, model.k, model.v, model.o))
     with torch.no_grad():
-        after = _compile(model)(x)  # each member reads its rows of the group's codes, with the group's scale
+        after = _compile(model)(x)  # the group's codes read again as one weight (views: nothing copied)
     rec = kpt_compiler.last_report().pass_record("fp4")
-    assert rec.stats.get("released_weights") == 4 and rec.stats.get("merged_groups", 0) == 0, rec.notes
+    assert rec.stats.get("released_weights") == 4 and rec.stats.get("merged_groups") == 1, rec.notes
+    assert _fp4_ops() == 2 and any("read as one" in n for n in rec.notes), rec.notes  # still one launch for q, k, v
     assert torch.allclose(after, before, atol=1e-3, rtol=1e-2)
 
 
@@ -193,3 +194,18 @@ def test_a_member_whose_group_lost_a_parameter_offers_no_copy_to_release():
     del k
     gc.collect()
     assert _released.fitting_copy(table, q) is None
+
+
+def test_weights_released_from_copies_of_their_own_stay_apart():
+    # released one by one (compiled without groups), the codes are not rows of one tensor: no group is read
+    model = _model()
+    x = torch.randn(2, 256, dtype=torch.float16)
+    with torch.no_grad():
+        before = _compile(model, merge_parallel_linears=False)(x)
+    model.requires_grad_(False)
+    assert kpt_compiler.release_weights(model).count == 4
+    with torch.no_grad():
+        after = _compile(model)(x)
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.stats.get("released_weights") == 4 and rec.stats.get("merged_groups", 0) == 0, rec.notes
+    assert _fp4_ops() == 4 and torch.allclose(after, before, atol=1e-3, rtol=1e-2)
