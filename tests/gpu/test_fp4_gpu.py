@@ -297,3 +297,34 @@ def test_released_fp4_weights_free_gpu_memory_and_give_the_same_output():
     assert kpt_compiler.last_report().pass_record("fp4").stats.get("released_weights") == 2
     assert freed >= done.freed_bytes, (freed, done)
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 12])  # one 8-token tile; two, through the async ring with row tiles
+def test_a_group_of_layers_on_one_input_under_inductor_and_a_cuda_graph(tokens):
+    # q, k and v of grouped-query attention (4096, 1024, 1024 rows) as one fp4 weight and one kernel: every output
+    # against eager in fp32, graph replays included (passes/_fp4_groups.py; written in s31, not yet GPU-run)
+    import torch.nn as nn
+
+    import kpt_compiler
+    from kpt_compiler.lossy_guard import sqnr_db
+
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = (nn.Linear(4096, n, bias=False) for n in (4096, 1024, 1024))
+
+        def forward(self, x):
+            return self.q(x), self.k(x), self.v(x)
+
+    torch.manual_seed(0)
+    model = QKV().cuda().bfloat16().eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="kernelpytorch", options={"fp4": {"decide": "always"}})
+    x = torch.randn(1, tokens, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        outs = [compiled(x) for _ in range(3)]
+        refs = model.float()(x.float())
+    rec = kpt_compiler.last_report().pass_record("fp4")
+    assert rec.status == "applied" and rec.matches == 3 and rec.stats["merged_groups"] == 1, rec.notes
+    for out in outs:
+        assert all(sqnr_db(o.float(), r) > 15 for o, r in zip(out, refs))
