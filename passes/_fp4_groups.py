@@ -197,6 +197,13 @@ def released_rows(members: list[dict]):
     """The released weights of ``members`` (``release_weights`` over a group: each member's codes are rows of
     its group's tensors) as one weight, where they are consecutive rows of the same tensors with one tensor
     scale, in this order; else None (they run one kernel each). A view: nothing is copied."""
+    try:
+        return _released_rows(members)
+    except RuntimeError:  # a tensor without storage (a fake one): no group
+        return None
+
+
+def _released_rows(members: list[dict]):
     from types import SimpleNamespace
 
     from kpt_compiler.kernels import _fp4_format
@@ -209,7 +216,8 @@ def released_rows(members: list[dict]):
     for name in ("packed", "scales"):
         ts = [getattr(w, name) for w in ws]
         base = ts[0]._base
-        if base is None or base.dim() != 2 or any(t._base is not base or not t.is_contiguous() for t in ts):
+        if base is None or base.dim() != 2 or any(t._base is not base or not t.is_contiguous() or t.dtype != base.dtype
+                                                  or t.stride() != base.stride() for t in ts):
             return None
         row_bytes = base.stride(0) * base.element_size()
         if any(b.data_ptr() != a.data_ptr() + a.shape[0] * row_bytes for a, b in zip(ts, ts[1:])):

@@ -177,7 +177,7 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
             group = _fp4_groups.find_or_make(_TABLE, params, fmt)  # each member in the table: refresh and release
         op, _ = _fp4_groups.emit_group(gm, members, group, kernel)
         N, K, dtype, device = sum(group.widths), members[0]["K"], members[0]["dtype"], members[0]["device"]
-        kernel.prepare_cuda_form(N, K, dtype, device, fmt)
+        kernel.prepare_cuda_form(N, K, dtype, device, group.q.format)  # a released group keeps its own format
         # the guard's reference is made when it runs: a copy held here would stay as long as the compile
         ctx.check_locally("+".join(m["node"].name for m in members), op,
                           lambda x, *_, ps=params: F.linear(x, torch.cat([_exact(p) for p in ps])))
@@ -214,7 +214,7 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         # the CUDA form's kernels are loaded now, outside any CUDA graph capture (kernels/fp4_linear.py)
-        kernel.prepare_cuda_form(N, K, c["dtype"], c["device"], fmt)
+        kernel.prepare_cuda_form(N, K, c["dtype"], c["device"], q.format)
         # the guard's figure, bias aside; a released weight is dequantized only while the guard measures
         ctx.check_locally(node.name, op, lambda x, *_, p=param, t=transposed: F.linear(x, _exact(p, t)))
         ctx.count()
