@@ -99,7 +99,7 @@ class PassContext:
     # notes made once the graph is compiled (see note_after_compile)
     late_notes: list[Callable[[list[str]], None]] = dataclasses.field(default_factory=list)
     # lossy passes that say what each rewrite replaced: label -> (the new node's name, the exact function)
-    local_checks: dict[str, tuple[str, Callable[..., Any]]] = dataclasses.field(default_factory=dict)
+    local_checks: dict[str, tuple[str, Callable[..., Any], Any]] = dataclasses.field(default_factory=dict)
     inputs_fn: Callable[[], list[Any]] | None = dataclasses.field(default=None, repr=False)
     _inputs: list[Any] | None = dataclasses.field(default=None, repr=False)
     # the user asked for this pass (its key, its group's, or ``pipeline``); False: it runs by its default
@@ -138,12 +138,14 @@ class PassContext:
         self.proposed.append(label)
         return self.allowed is None or label in self.allowed
 
-    def check_locally(self, label: str, node: fx.Node, exact: Callable[..., Any]) -> None:
+    def check_locally(self, label: str, node: fx.Node, exact: Callable[..., Any], split=None) -> None:
         """After the rewrite ``label`` made ``node``: ``exact`` takes the node's arguments and computes what it
         replaced. The guard then measures each rewrite's own error where it happens (the node's output against
         ``exact`` on the same inputs, in one run of the rewritten graph) instead of searching rewrite by
-        rewrite with the whole graph's output (kpt_compiler.lossy_guard)."""
-        self.local_checks[label] = (node.name, exact)
+        rewrite with the whole graph's output (kpt_compiler.lossy_guard). ``split`` (widths along the last
+        dim): the output is several layers' side by side (the fp4 pass's groups), and the figure is the lowest
+        of its parts', so that a narrow part's error does not hide in the others' signal."""
+        self.local_checks[label] = (node.name, exact, split)
 
     def before_each_call(self, hook: Callable[[Sequence[Any]], None]) -> None:
         """Call ``hook(args)`` before each call of the compiled graph (its flat arguments, in placeholder

@@ -29,9 +29,8 @@ layer under ``error_bound_db``.
 Layers taken that share their input (q, k and v; gate and up) are quantized as one weight, their rows
 concatenated, and run as one kernel whose output is split back (``merge_parallel_linears``, on by default;
 passes/_fp4_groups.py): at decode sizes a launch costs about as much as a small layer's bytes. The guard then
-measures the group's output as one rewrite, and backs out the group as one; a member's own error is not
-measured apart (a narrow member, v beside q, weighs less in the group's figure). Weights released by
-``release_weights`` run one kernel each again.
+measures each member's part of the group's output and takes the lowest figure as the group's (a narrow member,
+v beside q, would weigh little in the whole output's), and backs out the group as one.
 
 Runs on CUDA; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1``, how CI tests it). Asked for
 on XLA or on a CPU without the interpreter, it is an error that says so.
@@ -180,7 +179,7 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
         kernel.prepare_cuda_form(N, K, dtype, device, group.q.format)  # a released group keeps its own format
         # the guard's reference is made when it runs: a copy held here would stay as long as the compile
         ctx.check_locally("+".join(m["node"].name for m in members), op,
-                          lambda x, *_, ps=params: F.linear(x, torch.cat([_exact(p) for p in ps])))
+                          lambda x, *_, ps=params: F.linear(x, torch.cat([_exact(p) for p in ps])), split=group.widths)
         ctx.count(n=len(members))
         ctx.count("merged_groups")
         names = " + ".join(m["label"] for m in members)
