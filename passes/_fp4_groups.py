@@ -31,14 +31,10 @@ class Fp4GroupCopy:
     """The weights of ``params`` ([N_i, K] each, 16-bit) concatenated along N, in fp4 format ``fmt``."""
 
     def __init__(self, params: list[torch.Tensor], fmt):
-        from kpt_compiler.kernels import _fp4_format
-
         self.fmt, self.widths = fmt, [p.shape[0] for p in params]
         self.refs = [weakref.ref(p) for p in params]
-        with torch.no_grad():
-            q = _fp4_format.quantize(torch.cat([p.detach() for p in params]), fmt)
+        self.q = q = self._quantized(params)
         self.parts = (q.packed, q.scales, q.global_scale)
-        self.q = q
         self._mark(params)
         self.members = []
         row = 0
@@ -63,12 +59,16 @@ class Fp4GroupCopy:
         return any(ref() is not p or (p._version, p.data_ptr()) != (v, ptr)
                    for (ref, v, ptr), p in zip(self.made_from, params))
 
-    def remake(self, params) -> None:
-        """Quantize the members' weights again into the same tensors (the graphs read them)."""
+    def _quantized(self, params):
         from kpt_compiler.kernels import _fp4_format
 
         with torch.no_grad():
-            q = _fp4_format.quantize(torch.cat([p.detach() for p in params]), self.fmt)
+            return _fp4_format.quantize(torch.cat([p.detach() for p in params]), self.fmt)
+
+    def remake(self, params) -> None:
+        """Quantize the members' weights again into the same tensors (the graphs read them)."""
+        q = self._quantized(params)
+        with torch.no_grad():
             for mine, theirs in zip(self.parts, (q.packed, q.scales, q.global_scale)):
                 mine.copy_(theirs)
         self.refs = [weakref.ref(p) for p in params]
@@ -108,8 +108,7 @@ class Fp4Member(_weight_copies.WeightCopy):
 
     def _params(self, param: torch.Tensor) -> list[torch.Tensor] | None:
         group = self._group()
-        params = None if group is None else group.current(but={self.j: param})
-        return params
+        return None if group is None else group.current(but={self.j: param})
 
     def fits(self, param: torch.Tensor) -> bool:
         """Also: the group can be made again from here (every other member's parameter still there; one that
@@ -125,21 +124,17 @@ class Fp4Member(_weight_copies.WeightCopy):
             self._group().remake(params)
 
 
-def groups(candidates: list[dict], gm: fx.GraphModule) -> tuple[list[list[dict]], list[dict]]:
-    """``candidates`` (the layers the pass would rewrite: dicts with ``node``, ``x``, ``K``, ``dtype``,
-    ``transposed``) split into groups of two or more that share their input (each member's inputs defined before
-    the group's first layer, every ``.view`` of a member valid on a slice of the merged output) and the rest."""
+def groups(candidates: list[dict], gm: fx.GraphModule) -> list[list[dict]]:
+    """Of ``candidates`` (the layers the pass would rewrite: dicts with ``node``, ``x``, ``K``, ``dtype``,
+    ``transposed``), the groups of two or more that share their input (each member's inputs defined before the
+    group's first layer, every ``.view`` of a member valid on a slice of the merged output)."""
     by_node = {c["node"]: c for c in candidates}
     keyed: dict = {}
     for c in candidates:
         if not c["transposed"]:
             keyed.setdefault((c["x"], c["K"], c["dtype"]), []).append(c["node"])
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    taken, out = set(), []
-    for _key, nodes in _mergeable(keyed, order):
-        out.append([by_node[n] for n in nodes])
-        taken.update(nodes)
-    return out, [c for c in candidates if c["node"] not in taken]
+    return [[by_node[n] for n in nodes] for _key, nodes in _mergeable(keyed, order)]
 
 
 def find_or_make(table, params: list[torch.Tensor], fmt) -> Fp4GroupCopy:
@@ -157,40 +152,43 @@ def find_or_make(table, params: list[torch.Tensor], fmt) -> Fp4GroupCopy:
     return group
 
 
-def refresh(table, group: Fp4GroupCopy, indices: list[int], args) -> None:
-    """Before a call: remake ``group`` if a member's argument (by position) is not what it was made from; a
-    parameter replaced by another object gets the member's handle in ``table`` (refresh_weights looks there)."""
-    params = [args[i] for i in indices]
-    if group.stale(params):
-        mine = group.current()
-        replaced = mine is None or any(a is not b for a, b in zip(mine, params))
-        group.remake(params)
-        if replaced:
-            group.register(table, params)
+def refresh(table, groups_: list[tuple[Fp4GroupCopy, list[int]]], args) -> None:
+    """Before a call: remake each group whose members' arguments (by position) are not what it was made from;
+    a parameter replaced by another object gets the member's handle in ``table`` (refresh_weights looks there)."""
+    for group, indices in groups_:
+        params = [args[i] for i in indices]
+        if group.stale(params):
+            mine = group.current()
+            replaced = mine is None or any(a is not b for a, b in zip(mine, params))
+            group.remake(params)
+            if replaced:
+                group.register(table, params)
 
 
-def emit_group(gm: fx.GraphModule, members: list[dict], group: Fp4GroupCopy, kernel) -> tuple[fx.Node, list]:
-    """The merged ``kpt::fp4_linear`` before the first member, its outputs split back (with each member's bias
-    added), each member's uses moved to its part. Returns the merged node and the members' new nodes."""
+def emit(gm: fx.GraphModule, members: list[dict], q, kernel) -> fx.Node:
+    """``kpt::fp4_linear`` over the fp4 weight ``q`` before the first member (one layer, or a group whose rows
+    ``q`` holds one after another), its output split back where there are several (each member's bias added),
+    each member's uses moved to its part. Returns the fp4_linear node (what the guard measures)."""
     first = members[0]["node"]
     x = members[0]["x"]
-    parts = kernel.op_args(group.q)
-    fake_mode = ir.example_value(x).fake_mode
+    parts = kernel.op_args(q)
+    suffix = "_group" if len(members) > 1 else ""
     with gm.graph.inserting_before(first):
-        consts = [ir.add_constant(gm, f"_kpt_fp4_{kind}_{first.name}_group", t, fake_mode)
+        consts = [ir.add_constant(gm, f"_kpt_fp4_{kind}_{first.name}{suffix}", t, ir.example_value(x).fake_mode)
                   for kind, t in zip(("packed", "scales", "scale"), parts[:3])]
         op = ir.emit(gm.graph, torch.ops.kpt.fp4_linear, (x, *consts, *parts[3:]), like=first)
-        split = ir.emit(gm.graph, torch.split, (op, group.widths, -1), like=first)
+        if len(members) > 1:
+            split = ir.emit(gm.graph, torch.split, (op, [m["N"] for m in members], -1), like=first)
         news = []
         for i, m in enumerate(members):
-            new = ir.emit(gm.graph, operator.getitem, (split, i), like=m["node"])
+            new = ir.emit(gm.graph, operator.getitem, (split, i), like=m["node"]) if len(members) > 1 else op
             if m["b"] is not None:
                 new = ir.emit(gm.graph, torch.add, (new, m["b"]), like=m["node"])
             news.append(new)
     for m, new in zip(members, news):
         m["node"].replace_all_uses_with(new)
         gm.graph.erase_node(m["node"])
-    return op, news
+    return op
 
 
 def released_rows(members: list[dict]):
@@ -227,4 +225,4 @@ def _released_rows(members: list[dict]):
     widths = [w.shape[0] for w in ws]
     q = _fp4_format.Fp4Weight(_fp4_format.FORMATS[ws[0].fmt], *parts, ws[0].global_scale,
                               (sum(widths), members[0]["K"]))
-    return SimpleNamespace(q=q, widths=widths, nbytes=q.nbytes())
+    return SimpleNamespace(q=q, widths=widths)

@@ -157,24 +157,24 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
             continue
         candidates.append(dict(node=node, label=label, param=param, index=index, x=x, b=b, transposed=transposed,
                                N=N, K=K, M=M, dtype=xv.dtype, device=xv.device, released=released))
-    merged, singles = [], candidates
-    if ctx.options.merge_parallel_linears:  # fresh weights, and released ones that were a group's rows
-        merged = [g for released in (False, True)
-                  for g in _fp4_groups.groups([c for c in candidates if c["released"] is released], gm)[0]
-                  if not released or _fp4_groups.released_rows(g) is not None]
-        taken = {id(c) for g in merged for c in g}
-        singles = [c for c in candidates if id(c) not in taken]
-    copies, saved, kept, grouped = [], 0, 0, 0
-    for members in merged:
+    merged = []  # (members, the released codes read as one weight, or None: fresh weights)
+    if ctx.options.merge_parallel_linears:
+        merged = [(g, None) for g in _fp4_groups.groups([c for c in candidates if not c["released"]], gm)]
+        for g in _fp4_groups.groups([c for c in candidates if c["released"]], gm):
+            rows = _fp4_groups.released_rows(g)  # one weight only where they were a group's rows
+            if rows is not None:
+                merged.append((g, rows))
+    taken = {id(c) for g, _ in merged for c in g}
+    singles = [c for c in candidates if id(c) not in taken]
+    copies, saved, kept, grouped, group_checks = [], 0, 0, 0, []
+    for members, rows in merged:
         if not ctx.propose("+".join(m["node"].name for m in members)):
             continue
         params = [m["param"] for m in members]
-        released = members[0]["released"]
-        if released:  # the codes release_weights left, read as they are
-            group = _fp4_groups.released_rows(members)
-        else:
-            group = _fp4_groups.find_or_make(_TABLE, params, fmt)  # each member in the table: refresh and release
-        op, _ = _fp4_groups.emit_group(gm, members, group, kernel)
+        released = rows is not None  # the codes release_weights left, read as they are
+        # fresh: each member in the table, for refresh_weights and release_weights
+        group = rows if released else _fp4_groups.find_or_make(_TABLE, params, fmt)
+        op = _fp4_groups.emit(gm, members, group.q, kernel)
         N, K, dtype, device = sum(group.widths), members[0]["K"], members[0]["dtype"], members[0]["device"]
         kernel.prepare_cuda_form(N, K, dtype, device, group.q.format)  # a released group keeps its own format
         # the guard's reference is made when it runs: a copy held here would stay as long as the compile
@@ -189,29 +189,20 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
                      f"one (one kernel launch instead of {len(members)}; SQNR against the dequantized weights)")
             continue
         grouped += len(members)
-        indices = [m["index"] for m in members]
-        ctx.before_each_call(lambda args, g=group, i=indices: _fp4_groups.refresh(_TABLE, g, i, args))
+        group_checks.append((group, [m["index"] for m in members]))
         saved += group.nbytes
         kept += sum(p.nbytes for p in params)
         ctx.note(f"{names}: {members[0]['M']}x{K} @ {K}x{N} as one weight in {fmt.name} (they share their input: "
                  f"one kernel launch instead of {len(members)}; {group.nbytes / 2**20:.2f} MiB against "
                  f"{sum(p.nbytes for p in params) / 2**20:.2f} MiB)")
     for c in singles:
-        node, label, param, x, b, transposed = (c[k] for k in ("node", "label", "param", "x", "b", "transposed"))
+        node, label, param, transposed = (c[k] for k in ("node", "label", "param", "transposed"))
         N, K, M, released = c["N"], c["K"], c["M"], c["released"]
         if not ctx.propose(node.name):
             continue
         copy = None if released else copy_for(param, fmt, transposed)
         q = param.q if released else copy.q
-        parts = kernel.op_args(q)
-        with gm.graph.inserting_before(node):
-            consts = [ir.add_constant(gm, f"_kpt_fp4_{kind}_{node.name}", t, ir.example_value(x).fake_mode)
-                      for kind, t in zip(("packed", "scales", "scale"), parts[:3])]
-            op = new = ir.emit(gm.graph, torch.ops.kpt.fp4_linear, (x, *consts, *parts[3:]), like=node)
-            if b is not None:
-                new = ir.emit(gm.graph, torch.add, (op, b), like=node)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
+        op = _fp4_groups.emit(gm, [c], q, kernel)
         # the CUDA form's kernels are loaded now, outside any CUDA graph capture (kernels/fp4_linear.py)
         kernel.prepare_cuda_form(N, K, c["dtype"], c["device"], q.format)
         # the guard's figure, bias aside; a released weight is dequantized only while the guard measures
@@ -233,6 +224,8 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
     ctx.count("static_weights", weights)
     if copies:
         ctx.before_each_call(lambda args: _weight_copies.refresh(_TABLE, copies, args))
+    if group_checks:
+        ctx.before_each_call(lambda args: _fp4_groups.refresh(_TABLE, group_checks, args))
     ctx.note(f"{weights} weights in {fmt.name}: {saved / 2**20:.1f} MiB read per call instead of "
              f"{kept / 2**20:.1f} MiB ({kept / max(saved, 1):.1f}x less); the module keeps its own copies "
              "(kpt_compiler.release_weights frees them)")
