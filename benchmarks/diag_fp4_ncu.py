@@ -5,29 +5,76 @@ Firecracker machines; METHOD.md: leave the clocks alone):
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section LaunchStats --section MemoryWorkloadAnalysis python -m benchmarks.diag_fp4_ncu
 
-Three forms on NVFP4 4096x14336 (bf16 activations), each launched twice: the bf16-pair MMA form at M=16 (the
-default there), the dot form with decode=2 at M=16, and the fp16-pair GEMV at M=1. What ncu says about
-occupancy, stalls and bandwidth is its output's, not this script's.
+Default: three Triton forms on NVFP4 4096x14336 (bf16 activations), each launched twice: the bf16-pair MMA form
+at M=16, the dot form with decode=2 at M=16, and the fp16-pair GEMV at M=1. ``--cuda``: the CUDA C++ form
+(kernel ``fp4_mma_sync``) at its default configs, M = 1, 4 and 16, each launched twice. What ncu says about
+occupancy, stalls, pipes and bandwidth is its output's, not this script's.
+
+``--ceiling`` (no ncu) times, in CUDA-graph replays with rotating buffers as bench_fp4 does, what reading the
+same number of bytes costs at best here: a sum over the bytes (int32 words), and bf16 cuBLAS at M=1 on a weight
+of that many bytes, against the CUDA form at M=1. It says how far the fp4 GEMV is from this card's reading
+speed at this size.
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
+from kpt_compiler.bench import timing_ms
 from kpt_compiler.kernels import _fp4_format as fmt
 from kpt_compiler.kernels.fp4_linear import fp4_linear
 
+from .bench_fp4 import rotating
 
-def main() -> None:
+N, K = 4096, 14336
+
+
+def _weight(g: torch.Generator) -> fmt.Fp4Weight:
+    return fmt.quantize(torch.randn(N, K, device="cuda", generator=g) * 0.02, fmt.NVFP4)
+
+
+def launches(cuda: bool) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = fmt.quantize(torch.randn(4096, 14336, device="cuda", generator=g) * 0.02, fmt.NVFP4)
-    x16 = torch.randn(16, 14336, device="cuda", generator=g).bfloat16()
-    for name, x, cfg in (("mma M=16", x16, None), ("dot decode=2 M=16", x16, {"decode": 2}),
-                         ("gemv M=1", x16[:1].contiguous(), None)):
+    q = _weight(g)
+    x16 = torch.randn(16, K, device="cuda", generator=g).bfloat16()
+    cases = ((f"cuda M={m}", x16[:m].contiguous(), {"cuda": True}) for m in (1, 4, 16)) if cuda else (
+        ("mma M=16", x16, None), ("dot decode=2 M=16", x16, {"decode": 2}), ("gemv M=1", x16[:1].contiguous(), None))
+    for name, x, cfg in cases:
         for _ in range(2):
             fp4_linear(x, q, config=cfg)
         torch.cuda.synchronize()
         print(name, flush=True)
+
+
+def ceiling(rep_ms: float = 30) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qs = [_weight(g) for _ in range(4)]
+    nbytes = qs[0].nbytes()
+    words = [torch.randint(0, 1 << 30, (nbytes // 4,), device="cuda", dtype=torch.int32, generator=g)
+             for _ in range(4)]
+    k16 = nbytes // 2 // N  # a bf16 weight N x k16 of about the same bytes
+    w16 = [torch.randn(N, k16, device="cuda", generator=g).bfloat16() for _ in range(4)]
+    x = torch.randn(1, K, device="cuda", generator=g).bfloat16()
+    x16 = torch.randn(1, k16, device="cuda", generator=g).bfloat16()
+    rows = (("sum of int32 words", nbytes, rotating(lambda w: w.sum(), words)),
+            (f"bf16 cuBLAS M=1, {N}x{k16}", N * k16 * 2, rotating(lambda w: x16 @ w.t(), w16)),
+            (f"fp4 CUDA form M=1, {N}x{K} NVFP4", nbytes, rotating(lambda q: fp4_linear(x, q), qs)))
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA-graph replays, median of {rep_ms} ms")
+    print("| what | MB read | us | TB/s |\n| --- | --- | --- | --- |")
+    for name, b, fn in rows:
+        t = timing_ms(fn, "cuda", warmup_ms=rep_ms / 5, rep_ms=rep_ms, cuda_graph=True)
+        print(f"| {name} | {b / 1e6:.1f} | {t.median * 1e3:.2f} [{t.p20 * 1e3:.2f}, {t.p80 * 1e3:.2f}] | "
+              f"{b / (t.median * 1e-3) / 1e12:.2f} |", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cuda", action="store_true", help="the CUDA C++ form at M = 1, 4, 16")
+    p.add_argument("--ceiling", action="store_true", help="time reading the weight's bytes at best (no ncu)")
+    a = p.parse_args()
+    ceiling() if a.ceiling else launches(a.cuda)
 
 
 if __name__ == "__main__":
