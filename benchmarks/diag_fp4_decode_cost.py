@@ -34,7 +34,7 @@ VARIANTS = {
 
 
 def build(variant: str) -> None:
-    assert LINE in _fp4_cuda.SOURCE, "kernels/_fp4_cuda.py's pair() changed: update this script"
+    assert LINE in _ORIGINAL, "kernels/_fp4_cuda.py's pair() changed: update this script"
     _fp4_cuda.SOURCE = _ORIGINAL.replace(LINE, VARIANTS[variant])
     _fp4_cuda._kernel.cache_clear()
     _fp4_cuda._COMPILED.clear()
