@@ -281,8 +281,8 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 
 @functools.lru_cache(maxsize=4096)  # a call per layer and step: the same few shapes (read only: callers copy)
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
-    """The launch settings for M x N x K: the register pipeline up to M=8, the async ring with row tiles a warp
-    from M=9 (measured on an H200 in s29 and s31; the reasoning in docs/fp4-cuda-kernel.md, "config")."""
+    """The launch settings for M x N x K: the register pipeline up to M=8 (the async ring with 2 row tiles a warp
+    past 8 SMs' worth of row tiles), the ring from M=9 (H200, s29-s32; docs/fp4-cuda-kernel.md, "config")."""
     chunks = k // CHUNK
     tiles = -(-n // 16)
     rt = 4 if -(-tiles // 4) >= sms else 2
@@ -295,6 +295,8 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     wk = 1
     while wk < 8 and tiles * wk * 2 <= 16 * sms and chunks >= 4 * wk:
         wk *= 2
+    if wk == 1 and tiles * 2 > 16 * sms and chunks >= 8:  # one warp a row tile along all of K: rows enough
+        return dict(cuda=True, nt=1, rw=1, wk=2, depth=2, split_k=1, rt=2, **{"async": True})
     split = 1
     while tiles * split * wk < 8 * sms and chunks // (split * 2) >= 2 * wk:
         split *= 2
@@ -302,8 +304,7 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
 
 
 def _key(cfg: dict, device_index: int) -> tuple:
-    return (cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1),
-            device_index)
+    return (cfg["nt"], cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1), device_index)
 
 
 class CompileError(RuntimeError):
