@@ -281,14 +281,12 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 
 @functools.lru_cache(maxsize=4096)  # a call per layer and step: the same few shapes (read only: callers copy)
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
-    """The launch settings for M x N x K: the register pipeline up to M=8, the async ring with row tiles a warp
-    from M=9; past 8 SMs' worth of row tiles, s32's picks (H200, s29-s32; docs/fp4-cuda-kernel.md, "config")."""
-    chunks, tiles = k // CHUNK, -(-n // 16)
+    """The launch settings for M x N x K: the register pipeline up to M=8 (the async ring with 2 row tiles a warp
+    past 8 SMs' worth of row tiles), the ring from M=9 (H200, s29-s32; docs/fp4-cuda-kernel.md, "config")."""
+    chunks = k // CHUNK
+    tiles = -(-n // 16)
     rt = 4 if -(-tiles // 4) >= sms else 2
     groups = -(-tiles // rt)
-    if tiles * 2 > 16 * sms and chunks >= 8:  # rows enough that one warp a row tile would take all of K
-        return dict(cuda=True, nt=1, rw=1, wk=2, depth=2, split_k=1, rt=2, **{"async": True}) if m <= 8 else dict(
-            cuda=True, nt=2, rw=2, wk=2, depth=2, split_k=1)
     if m > 8 and groups * 8 >= 4 * sms:  # two token tiles: RT row tiles a warp through the async ring
         wk = 1
         while wk < 8 and groups * wk * 2 <= 8 * sms and chunks >= 4 * wk:
@@ -297,6 +295,8 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     wk = 1
     while wk < 8 and tiles * wk * 2 <= 16 * sms and chunks >= 4 * wk:
         wk *= 2
+    if wk == 1 and tiles * 2 > 16 * sms and chunks >= 8:  # one warp a row tile along all of K: rows enough
+        return dict(cuda=True, nt=1, rw=1, wk=2, depth=2, split_k=1, rt=2, **{"async": True})
     split = 1
     while tiles * split * wk < 8 * sms and chunks // (split * 2) >= 2 * wk:
         split *= 2
