@@ -112,6 +112,28 @@ def test_the_benchmark_writes_its_table_on_the_cpu(tmp_path):
     assert "smoke test" in (tmp_path / "bench_fp4.md").read_text()
 
 
+def test_the_sweep_writes_its_table_and_its_cuda_configs_run_as_labelled(tmp_path, monkeypatch):
+    # s32's M=16 sweep ran configs that named neither async nor rt as the default's ring with rt=4 (fp4_linear
+    # fills a missing key from the default): every CUDA config names every key a default can fill but nt
+    import json
+
+    from benchmarks import bench_fp4
+    from kpt_compiler.kernels import _fp4_cuda
+
+    defaults = [_fp4_cuda.config(m, n, k, 132) for m in (1, 8, 16) for n in (1024, 4096, 14336, 28672)
+                for k in (1024, 4096, 14336)]
+    for cfg in bench_fp4.CUDA_SWEEP:
+        assert set().union(*defaults) - {"nt"} <= set(cfg), cfg
+        assert all({**d, **cfg, "nt": 0} == {**cfg, "nt": 0} for d in defaults), cfg
+    monkeypatch.setattr(bench_fp4, "GEMV_SWEEP", [c for c in bench_fp4.GEMV_SWEEP if c["gemv_math"] == "f16x2"][:2])
+    argv = ["--device", "cpu", "--sweep", "--forms", "gemv f16x2", "--ms", "1", "--rep-ms", "1", "--out", str(tmp_path)]
+    assert bench_fp4.main(argv) == 0
+    rows = json.loads((tmp_path / "bench_fp4_sweep.json").read_text())["rows"]
+    table = (tmp_path / "bench_fp4_sweep.md").read_text()
+    assert "--forms 'gemv f16x2'" in table and "smoke test" in table
+    assert len(rows) == len(bench_fp4.TINY) and all(f"| {r['N']}x{r['K']} | 1 |" in table for r in rows)
+
+
 @pytest.mark.parametrize("f", [fp4.NVFP4, fp4.MXFP4], ids=lambda f: f.name)
 def test_quantizing_in_chunks_of_rows_gives_the_whole_weight_s_codes(f, monkeypatch):
     # quantize() encodes a few rows at a time (its temporaries are 8 bytes a weight); the block scales, and for
