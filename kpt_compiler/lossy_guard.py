@@ -130,11 +130,19 @@ class _LocalErrors(fx.Interpreter):
         return out
 
 
+def _concrete(x: Any) -> Any:
+    """A size Dynamo passes symbolic (a dynamic dimension's placeholder) as the value it was traced with, its
+    hint: run eagerly, a ``.view`` or ``.reshape`` by it takes integers only. Anything else as it is."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) and x.node.hint is not None:
+        return x.node.hint
+    return x
+
+
 class LossyGuard:
     """The unmodified graph's outputs for one stage, and the check each lossy pass goes through."""
 
     def __init__(self, gm: fx.GraphModule, inputs: Sequence[Any]):
-        self.inputs = list(inputs)
+        self.inputs = [_concrete(x) for x in inputs]
         self.reference = run_graph(gm, self.inputs)
 
     def measure(self, gm: fx.GraphModule) -> float:

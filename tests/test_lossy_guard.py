@@ -153,3 +153,21 @@ def test_a_bound_of_zero_db_is_a_bound():
     a, b = _inputs()
     _out, rec = _run(two_outputs, (a, b), {"test_lossy_round": {"error_bound_db": 0.0}})
     assert rec.error_bound_db == 0.0
+
+
+def test_a_graph_with_dynamic_sizes_is_measured_at_the_sizes_it_was_traced_with():
+    # Dynamo passes a dynamic dimension's size as a SymInt placeholder; run eagerly, a .view by it took integers
+    # only, so the guard could not run the graph and every lossy pass stepped aside (until session 32)
+    def viewed(a):
+        b, t, _ = a.shape
+        return torch.tanh(a).view(b, t, 8, 8) * 2
+
+    a = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    torch._dynamo.mark_dynamic(a, 0)
+    torch._dynamo.mark_dynamic(a, 1)
+    out, rec = _run(viewed, (a,), {"test_lossy_round": {"step": 0.02}})
+    ref = torch.tanh(a.double()).view(2, 3, 8, 8) * 2
+    assert rec.status == "applied" and rec.matches == 1, (rec.status, rec.reason)
+    assert rec.error_db == pytest.approx(sqnr_db(rounded_tanh(a, 0.02).double().view(2, 3, 8, 8) * 2, ref), abs=1e-4)
+    torch.testing.assert_close(out, rounded_tanh(a, 0.02).view(2, 3, 8, 8) * 2)
