@@ -124,17 +124,21 @@ class Fp4Member(_weight_copies.WeightCopy):
             self._group().remake(params)
 
 
-def groups(candidates: list[dict], gm: fx.GraphModule) -> list[list[dict]]:
+def groups(candidates: list[dict], gm: fx.GraphModule, declined: list | None = None) -> list[list[dict]]:
     """Of ``candidates`` (the layers the pass would rewrite: dicts with ``node``, ``x``, ``K``, ``dtype``,
     ``transposed``), the groups of two or more that share their input (each member's inputs defined before the
-    group's first layer, every ``.view`` of a member valid on a slice of the merged output)."""
+    group's first layer, every ``.view`` of a member valid on a slice of the merged output). Layers on one input
+    left apart go into ``declined`` as (their candidates, why)."""
     by_node = {c["node"]: c for c in candidates}
     keyed: dict = {}
     for c in candidates:
         if not c["transposed"]:
             keyed.setdefault((c["x"], c["K"], c["dtype"]), []).append(c["node"])
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return [[by_node[n] for n in nodes] for _key, nodes in _mergeable(keyed, order)]
+    order, apart = {n: i for i, n in enumerate(gm.graph.nodes)}, []
+    out = [[by_node[n] for n in nodes] for _key, nodes in _mergeable(keyed, order, apart)]
+    if declined is not None:
+        declined.extend(([by_node[n] for n in nodes], why) for nodes, why in apart)
+    return out
 
 
 def find_or_make(table, params: list[torch.Tensor], fmt) -> Fp4GroupCopy:

@@ -159,11 +159,17 @@ def fp4(gm: fx.GraphModule, ctx: PassContext) -> bool:
                                N=N, K=K, M=M, dtype=xv.dtype, device=xv.device, released=released))
     merged = []  # (members, the released codes read as one weight, or None: fresh weights)
     if ctx.options.merge_parallel_linears:
-        merged = [(g, None) for g in _fp4_groups.groups([c for c in candidates if not c["released"]], gm)]
-        for g in _fp4_groups.groups([c for c in candidates if c["released"]], gm):
+        apart = []  # layers on one input left as single layers, and why: the report says so
+        merged = [(g, None) for g in _fp4_groups.groups([c for c in candidates if not c["released"]], gm, apart)]
+        for g in _fp4_groups.groups([c for c in candidates if c["released"]], gm, apart):
             rows = _fp4_groups.released_rows(g)  # one weight only where they were a group's rows
             if rows is not None:
                 merged.append((g, rows))
+            else:
+                apart.append((g, "their released codes are not one group's rows, in this order (released from "
+                                 "copies of their own, or from groups of other layers)"))
+        for members, why in apart:
+            ctx.near_miss(f"{' + '.join(m['label'] for m in members)} share their input but run one kernel each: {why}")
     taken = {id(c) for g, _ in merged for c in g}
     singles = [c for c in candidates if id(c) not in taken]
     copies, saved, kept, grouped, group_checks = [], 0, 0, 0, []

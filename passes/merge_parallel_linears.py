@@ -119,16 +119,22 @@ def _ask_args(x: fx.Node, group: list[fx.Node], K: int, dtype: torch.dtype) -> d
                 unfused_kernels=len(Ns), ours=ours, baseline_ms=gemm_baseline(device, M, K, Ns, dtype, 0))
 
 
-def _mergeable(groups: dict, order: dict) -> list[tuple[tuple, list[fx.Node]]]:
+def _mergeable(groups: dict, order: dict, declined: list | None = None) -> list[tuple[tuple, list[fx.Node]]]:
     """Of ``_groups(x)``, those a merge can take, in graph order: each member's inputs defined before the
-    group's first linear (the merged one stands there), and every ``.view`` of a member still valid."""
+    group's first linear (the merged one stands there), and every ``.view`` of a member still valid. A group of
+    two or more left whole goes into ``declined`` as (its nodes, why)."""
     out = []
-    for key, group in groups.items():
-        if len(group) < 2:
+    for key, whole in groups.items():
+        if len(whole) < 2:
             continue
-        first = min(group, key=order.__getitem__)
-        group = [m for m in group if all(order.get(a, -1) < order[first] for a in m.all_input_nodes)]
-        if len(group) < 2 or not _views_stay_valid(group):
+        first = min(whole, key=order.__getitem__)
+        group = [m for m in whole if all(order.get(a, -1) < order[first] for a in m.all_input_nodes)]
+        why = "" if len(group) >= 2 else f"{len(whole) - len(group)} of them take an input computed after " \
+            f"{first.name}, where the merged layer would stand"
+        why = why or _view_problem(group)
+        if why:
+            if declined is not None:
+                declined.append((sorted(whole, key=order.__getitem__), why))
             continue
         out.append((key, sorted(group, key=order.__getitem__)))
     return out
@@ -180,8 +186,9 @@ def _merge(gm, x, ctx, how):  # linear(x, W1), linear(x, W2), ... -> split(linea
     return changed
 
 
-def _views_stay_valid(group: list[fx.Node]) -> bool:
-    """A slice of the merged output has the merged row stride: check each ``.view`` user still works on it."""
+def _view_problem(group: list[fx.Node]) -> str:
+    """A slice of the merged output has the merged row stride: each ``.view`` user must still work on it. Why
+    one does not ("" where all do)."""
     total = sum(val(m).shape[-1] for m in group)
     for m in group:
         v = val(m)
@@ -194,9 +201,10 @@ def _views_stay_valid(group: list[fx.Node]) -> bool:
             if u.op == "call_method" and u.target == "view":
                 shape = u.args[1:] if not isinstance(u.args[1], (list, tuple)) else u.args[1]
                 if not all(isinstance(s, int) for s in shape):
-                    return False
+                    return f"{u.name} views {m.name}'s output with symbolic sizes, which a slice may not take"
                 try:
                     fake.view(*shape)
                 except RuntimeError:
-                    return False
-    return True
+                    return f"{u.name}'s view{tuple(shape)} of {m.name}'s output would not hold on a slice of the " \
+                        "merged output"
+    return ""
