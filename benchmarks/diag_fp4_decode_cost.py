@@ -6,11 +6,15 @@ that leave a stage out, and take differences). Needs a GPU with the CUDA form (s
 Variants of ``kernels/_fp4_cuda.SOURCE``'s ``pair`` (the decode of two codes into a bf16 pair, times the block
 scale), each built by NVRTC as the real one is and run at the default config:
 - ``as built``: the kernel as committed;
-- ``no scale``: the decoded pair not multiplied by its scale (one instruction a pair fewer);
-- ``no decode``: the word itself (plus T, so the four pairs differ) in place of the decoded, scaled pair: the
-  loads, the MMAs and the x permutes only.
+- ``no decode``: the word itself (plus T, so the four pairs differ) times the block scale in place of the
+  decoded pair: the decode's three integer instructions a pair become one add; the scales are loaded,
+  converted and multiplied as before;
+- ``no decode, no scales``: the word plus T alone. The scales then feed nothing, so the compiler drops their
+  loads and conversion too (about 11% of the bytes at NVFP4: the TB/s column still counts them).
 The outputs of the variants are wrong by design; only their times mean anything. If ``no decode`` is much
 faster than ``as built``, the decode's instructions, not the memory, bound the kernel at that shape.
+Session 32's first run (``...-s32-fp4-decode-cost-cdbf354.md``) had ``no scale`` (the pair not multiplied) and
+``no decode`` as ``no decode, no scales`` is here: in both the scales fed nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from .bench_fp4 import rotating
 LINE = "  return fma_bf16x2((v * ((T & 1) ? 0x104u : 0x1040u)) & 0x81C081C0u, s);"
 VARIANTS = {
     "as built": LINE,
-    "no scale": "  return (v * ((T & 1) ? 0x104u : 0x1040u)) & 0x81C081C0u;",
-    "no decode": "  return w + T;",
+    "no decode": "  return fma_bf16x2(w + T, s);",
+    "no decode, no scales": "  return w + T;",
 }
 
 

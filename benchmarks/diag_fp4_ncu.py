@@ -5,8 +5,9 @@ Firecracker machines; METHOD.md: leave the clocks alone):
         --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy \
         --section LaunchStats --section MemoryWorkloadAnalysis python -m benchmarks.diag_fp4_ncu
 
-Default: three Triton forms on NVFP4 4096x14336 (bf16 activations), each launched twice: the bf16-pair MMA form
-at M=16, the dot form with decode=2 at M=16, and the fp16-pair GEMV at M=1. ``--cuda``: the CUDA C++ form
+Default: three Triton forms on NVFP4 4096x14336 (bf16 activations), each launched twice and named by its config
+(fp4_linear's default would take the CUDA form where it runs): the bf16-pair MMA form (decode=3) at M=16, the
+dot form with decode=2 at M=16, and the fp16-pair GEMV at M=1. ``--cuda``: the CUDA C++ form
 (kernel ``fp4_mma_sync``) at its default configs, M = 1, 4 and 16, each launched twice. What ncu says about
 occupancy, stalls, pipes and bandwidth is its output's, not this script's.
 
@@ -40,7 +41,8 @@ def launches(cuda: bool) -> None:
     q = _weight(g)
     x16 = torch.randn(16, K, device="cuda", generator=g).bfloat16()
     cases = ((f"cuda M={m}", x16[:m].contiguous(), {"cuda": True}) for m in (1, 4, 16)) if cuda else (
-        ("mma M=16", x16, None), ("dot decode=2 M=16", x16, {"decode": 2}), ("gemv M=1", x16[:1].contiguous(), None))
+        ("mma M=16", x16, {"decode": 3, "gemv": False}), ("dot decode=2 M=16", x16, {"decode": 2}),
+        ("gemv M=1", x16[:1].contiguous(), {"gemv": True}))
     for name, x, cfg in cases:
         for _ in range(2):
             fp4_linear(x, q, config=cfg)
@@ -60,7 +62,8 @@ def ceiling(rep_ms: float = 30) -> None:
     x16 = torch.randn(1, k16, device="cuda", generator=g).bfloat16()
     rows = (("sum of int32 words", nbytes, rotating(lambda w: w.sum(), words)),
             (f"bf16 cuBLAS M=1, {N}x{k16}", N * k16 * 2, rotating(lambda w: x16 @ w.t(), w16)),
-            (f"fp4 CUDA form M=1, {N}x{K} NVFP4", nbytes, rotating(lambda q: fp4_linear(x, q), qs)))
+            (f"fp4 CUDA form M=1, {N}x{K} NVFP4", nbytes,
+             rotating(lambda q: fp4_linear(x, q, config={"cuda": True}), qs)))
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA-graph replays, median of {rep_ms} ms")
     print("| what | MB read | us | TB/s |\n| --- | --- | --- | --- |")
     for name, b, fn in rows:

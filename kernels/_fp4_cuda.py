@@ -3,7 +3,7 @@ through ``mma.sync`` with the weights decoded in registers; compiled at first us
 (``torch.cuda._compile_kernel``) for the device at hand.
 
 Design notes (why a hand-written kernel, the fragment layout and its decode, the memory pipeline, the async
-ring): docs/fp4-cuda-kernel.md. ``config`` picks the launch settings (H200 sweeps of s29 and s31); ``prepare``
+ring): docs/fp4-cuda-kernel.md. ``config`` picks the launch settings (H200 sweeps of s29-s32); ``prepare``
 loads a weight's kernels when the fp4 pass compiles, since loading one inside a CUDA graph capture would break
 it, and fp4_linear's default takes a Triton form in a capture where the kernel is not loaded. Requirements
 (checked by the caller): K a multiple of 128, NVFP4, bf16 x, compute capability 8.9 or newer (``cvt`` from E4M3).

@@ -132,7 +132,8 @@ class _LocalErrors(fx.Interpreter):
 
 def _concrete(x: Any) -> Any:
     """A size Dynamo passes symbolic (a dynamic dimension's placeholder) as the value it was traced with, its
-    hint: run eagerly, a ``.view`` or ``.reshape`` by it takes integers only. Anything else as it is."""
+    hint: run eagerly, a ``.view`` or ``.reshape`` by it takes integers only. Anything else as it is, an unbacked
+    size too (no hint: where the graph needs it as an integer the guard cannot run, and lossy passes step aside)."""
     if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)) and x.node.hint is not None:
         return x.node.hint
     return x

@@ -122,7 +122,8 @@ def _ask_args(x: fx.Node, group: list[fx.Node], K: int, dtype: torch.dtype) -> d
 def _mergeable(groups: dict, order: dict, declined: list | None = None) -> list[tuple[tuple, list[fx.Node]]]:
     """Of ``_groups(x)``, those a merge can take, in graph order: each member's inputs defined before the
     group's first linear (the merged one stands there), and every ``.view`` of a member still valid. A group of
-    two or more left whole goes into ``declined`` as (its nodes, why)."""
+    two or more left whole goes into ``declined`` as (its nodes, why); members dropped from a group that is still
+    merged are not (fp4's candidates, whose inputs are x and parameters, never have one computed later)."""
     out = []
     for key, whole in groups.items():
         if len(whole) < 2:

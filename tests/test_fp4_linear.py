@@ -306,7 +306,7 @@ def test_the_cuda_forms_config_follows_the_h200_sweep_and_its_keys_are_checked(m
     big = [_fp4_cuda.config(m, n, 4096, 132) for m in (1, 8) for n in (28672, 32000)]
     assert all((c["rt"], c["wk"], c["async"], c["nt"]) == (2, 2, True, 1) for c in big), big
     assert "rt" not in _fp4_cuda.config(1, 16 * 1056, 4096, 132)
-    assert _fp4_cuda.config(1, 16 * 1057, 4096, 132)["rt"] == 2
+    assert _fp4_cuda.config(1, 16 * 1057, 4096, 132)["rt"] == 2 and "rt" not in _fp4_cuda.config(1, 16 * 1057, 896, 132)
     few = _fp4_cuda.config(1, 1024, 4096, 132)
     assert few["split_k"] > 1 and 64 * few["wk"] * few["split_k"] >= 8 * 132 // 2, few
     monkeypatch.setattr(kernel, "cuda_form_fits", lambda x2, q, why=None: True)
