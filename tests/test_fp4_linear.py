@@ -301,6 +301,10 @@ def test_the_cuda_forms_config_follows_the_h200_sweep_and_its_keys_are_checked(m
     assert [(c["rt"], c["wk"], c["async"], c["split_k"]) for c in nine.values()] == [
         (2, 8, True, 1), (2, 8, True, 1), (4, 4, True, 1)]
     assert "rt" not in _fp4_cuda.config(16, 1024, 4096, 132) and "rt" not in _fp4_cuda.config(8, 14336, 4096, 132)
+    # ... and where rows leave room for only 2 warps along K (gate and up as one group, an LM head), 2 row groups a
+    # block (s33's sweep: 27.3-28.9 us against 32.9-34.2 with one)
+    assert all(_fp4_cuda.config(m, n, 4096, 132)["rw"] == 2 for m in (9, 16) for n in (28672, 32000))
+    assert all(c["rw"] == 1 for c in nine.values())
     # M<=8 past 8 SMs' worth of row tiles (gate and up as one group, an LM head): the ring, 2 row tiles a warp, 2
     # warps along K (s32's sweep: 1.2-1.26x one warp a row tile); a row tile short of that keeps the registers
     big = [_fp4_cuda.config(m, n, 4096, 132) for m in (1, 8) for n in (28672, 32000)]
