@@ -3,10 +3,10 @@ through ``mma.sync`` with the weights decoded in registers; compiled at first us
 (``torch.cuda._compile_kernel``) for the device at hand.
 
 Design notes (why a hand-written kernel, the fragment layout and its decode, the memory pipeline, the async
-ring, PDL): docs/fp4-cuda-kernel.md. ``config`` picks the launch settings (H200 sweeps of s29-s33); ``prepare``
-loads a weight's kernels when the fp4 pass compiles (a load inside a CUDA graph capture would break it; there
-fp4_linear's default takes a Triton form instead). Requirements (checked by the caller): K a multiple of 128,
-NVFP4, bf16 x, compute capability 8.9 or newer (``cvt`` from E4M3). Launched with PDL in a capture (_pdl.py).
+ring): docs/fp4-cuda-kernel.md. ``config`` picks the launch settings (H200 sweeps of s29-s33); ``prepare``
+loads a weight's kernels when the fp4 pass compiles, since loading one inside a CUDA graph capture would break
+it, and fp4_linear's default takes a Triton form in a capture where the kernel is not loaded. Requirements
+(checked by the caller): K a multiple of 128, NVFP4, bf16 x, compute capability 8.9 or newer (``cvt`` from E4M3).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ import functools
 import torch
 from torch import Tensor
 
-from . import _pdl
 from ._launch import capability
 
 CHUNK = 128  # K elements per lane-group step: 4 lanes x 32 elements
 MAX_M = 16  # two 8-token MMA column tiles
 
-SOURCE = _pdl.DEVICE_SOURCE + r"""
+SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 
@@ -210,7 +209,6 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
   int i0 = 0;
 #pragma unroll
   for (int p = 0; p < DEPTH - 1; ++p) { LOAD_W(p, p) }
-  wait_prior_grid();  // the weights' first loads above may overlap the kernel ahead; x is its output
   LOAD_X(0, 0)
   for (; i0 < count; i0 += DEPTH) {
 #pragma unroll
@@ -315,7 +313,6 @@ class CompileError(RuntimeError):
 
 
 _FAILED: dict = {}  # device index -> why the form is not offered there (``disable``: a default config failed)
-_COMPILED: set = set()  # the keys of the kernels loaded (``compiled``)
 
 
 def disable(device: torch.device, why: str) -> None:
@@ -340,16 +337,17 @@ def static_bytes(nt: int, rw: int, wk: int, rt: int) -> int:
 
 def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, device_index: int):
     with torch.cuda.device(device_index):
-        lib = torch.cuda._utils._get_gpu_runtime_library()
         kernel = torch.cuda._compile_kernel(
             SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}, {asynchronous}, {rt}>", nvcc_options=["-std=c++17"])
         ring = ring_bytes(rw, wk, depth, asynchronous, rt)
         if ring >= 48 * 1024:  # torch's launcher asks for this from 48 KB of dynamic shared memory on
             kernel.set_shared_memory_config(ring)
         elif ring + static_bytes(nt, rw, wk, rt) > 48 * 1024:  # past 48 KB in all: the driver's opt-in
+            lib = torch.cuda._utils._get_gpu_runtime_library()
             if lib.cuFuncSetAttribute(kernel.func, 8, ring) != 0:  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
                 raise RuntimeError(f"cuFuncSetAttribute({ring} bytes of dynamic shared memory) failed")
         # loaded now, not at its first launch (CUDA's lazy loading), which may fall inside a CUDA graph capture
+        lib = torch.cuda._utils._get_gpu_runtime_library()
         if hasattr(lib, "cuFuncLoad") and lib.cuFuncLoad(kernel.func) != 0:
             raise RuntimeError("fp4_linear's CUDA form: cuFuncLoad failed")
     _COMPILED.add((nt, rw, wk, depth, asynchronous, rt, device_index))
@@ -359,6 +357,9 @@ def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, de
 def ring_bytes(rw: int, wk: int, depth: int, asynchronous: int, rt: int = 1) -> int:
     """The async form's shared memory: DEPTH chunks of RT row tiles' two rows, 16 bytes a lane, a warp each."""
     return rw * wk * depth * rt * 2 * 32 * 16 if asynchronous else 0
+
+
+_COMPILED: set = set()
 
 
 def compiled(cfg: dict, device: torch.device) -> bool:
@@ -404,16 +405,16 @@ def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Te
     w = _dense(packed, 16).view(torch.int32)
     s = _dense(scales, 2)
     chunks = k // CHUNK
-    per_split = -(-chunks // min(cfg["split_k"], chunks))
+    split = min(cfg["split_k"], chunks)
+    per_split = -(-chunks // split)
     split = -(-chunks // per_split)
     out = torch.empty((split, m, n), dtype=torch.float32 if split > 1 else torch.bfloat16, device=x2.device)
     kernel = _kernel(*_key(cfg, x2.device.index or 0))
     gs = global_scale.reshape(1).float()
     rt = cfg.get("rt", 1)
     with torch.cuda.device(x2.device):  # the kernel's context and x's stream, whatever device is current
-        launch = dict(grid=(-(-n // (16 * rt * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-                  shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), rt),
-                  args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
-                        out.stride(0), out.stride(1), int(split > 1)], stream=torch.cuda.current_stream(x2.device))
-        (functools.partial(_pdl.launch, kernel) if _pdl.wanted(x2.device) else kernel)(**launch)
+        kernel(grid=(-(-n // (16 * rt * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
+               shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), rt),
+               args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
+                     out.stride(0), out.stride(1), int(split > 1)], stream=torch.cuda.current_stream(x2.device))
     return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)

@@ -35,7 +35,7 @@ from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kern
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # what the cost model's tables are keyed by
-SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_cuda", "_fp4_format", "_launch", "_pdl")
+SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_cuda", "_fp4_format", "_launch")
 # the CUDA form's config (kernels/_fp4_cuda.py)
 CUDA_KEYS = {"cuda", "nt", "rw", "wk", "depth", "async", "rt", "split_k"}
 

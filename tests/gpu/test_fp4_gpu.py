@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from kpt_compiler.kernels import _fp4_format as fmt
-from kpt_compiler.kernels import _pdl
 from kpt_compiler.kernels.fp4_linear import fp4_linear
 
 pytestmark = pytest.mark.gpu
@@ -331,54 +330,3 @@ def test_a_group_of_layers_on_one_input_under_inductor_and_a_cuda_graph(tokens):
     assert rec.status == "applied" and rec.matches == 3 and rec.stats["merged_groups"] == 1, rec.notes
     for out in outs:
         assert len(out) == 3 and all(sqnr_db(o.float(), r) > 15 for o, r in zip(out, refs))
-
-
-def test_in_a_capture_the_cuda_form_takes_pdl_and_reads_the_kernel_aheads_output(monkeypatch):
-    # kernels/_pdl.py: captured, the CUDA form is launched with PDL (sm_90+): it may start before the kernel ahead
-    # has finished and loads its weights before griddepcontrol.wait, x after it. Each x here is written by the
-    # kernel just ahead (a multiply), from the last GEMV's output; replays with new inputs must give what the same
-    # chain gives uncaptured (no PDL), to the bit
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("PDL needs sm_90")
-    launches, launch = [], _pdl.launch
-    monkeypatch.setattr(_pdl, "launch", lambda *a, **k: (launches.append(k["grid"]), launch(*a, **k)))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    qs = [fmt.quantize(torch.randn(n, 4096, device="cuda", generator=g) * 0.02, fmt.NVFP4) for n in (4096, 28672)]
-    x = torch.randn(1, 4096, device="cuda", generator=g).bfloat16()
-
-    def chain():
-        h = x
-        for i in range(6):
-            y = fp4_linear(h * 1.5, qs[i % 2])
-            h = y[:, :4096] * (8.0 / y[:, :4096].float().norm()).bfloat16()
-        return h
-    chain()
-    assert not launches  # uncaptured: torch's own launcher
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
-    assert len(launches) == 6
-    for _ in range(3):
-        x.copy_(torch.randn(1, 4096, device="cuda", generator=g))
-        graph.replay()
-        assert torch.equal(out, chain())
-
-
-
-def test_a_pdl_launch_first_in_a_capture_or_after_a_copy_is_captured_and_right():
-    # a programmatic edge needs a kernel ahead: the GEMV as the graph's first node, or after a memcpy node
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("PDL needs sm_90")
-    q = fmt.quantize(torch.randn(4096, 4096, device="cuda") * 0.02, fmt.NVFP4)
-    x, staged = (torch.randn(1, 4096, device="cuda").bfloat16() for _ in range(2))
-    fp4_linear(x, q)
-    first, after_copy = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-    with torch.cuda.graph(first):
-        y1 = fp4_linear(x, q)
-    with torch.cuda.graph(after_copy):
-        staged.copy_(x)
-        y2 = fp4_linear(staged, q)
-    x.normal_()
-    first.replay()
-    after_copy.replay()
-    assert torch.equal(y1, fp4_linear(x, q)) and torch.equal(y2, y1)
