@@ -50,7 +50,7 @@ from kpt_compiler import torch_ir as ir
 from kpt_compiler.graph_utils import drop_unused
 from kpt_compiler.registry import PassContext, graph_pass
 
-from . import _attention_gate as gate, _mask_provenance as provenance
+from . import _attention_gate as gate, _attention_gqa as gqa_pack, _mask_provenance as provenance
 from ._attention_gate import Call
 from ._attention_masks import mask_kind
 from ._attention_match import Attention, Miss, match, scalar
@@ -70,6 +70,8 @@ class AttentionOptions:
     # "auto": on CUDA, rewrite where SDPA then runs a fused kernel (not its math backend); "measure" (the
     # default under mode="max-autotune"): time the call on the device against what runs instead; "always"
     decide: Literal["auto", "measure", "always"] = "auto"
+    # SDPA over repeat_kv's copies at query lengths up to 64 runs over the key/value heads (passes/_attention_gqa.py)
+    pack_gqa: bool = True
 
     def __post_init__(self):
         if self.min_seq_len < 1:
@@ -84,7 +86,7 @@ def _supports(target, options) -> str | None:
 
 @graph_pass("attention", summary="attention -> fused SDPA or FlexAttention: hand-written attention rewritten, "
             "existing SDPA calls' constant masks proven away", stage="pre_aot", options=AttentionOptions,
-            statistics=("matches", "near_misses", "causal", "window", "linear_bias", "sdpa_calls"),
+            statistics=("matches", "near_misses", "causal", "window", "linear_bias", "sdpa_calls", "gqa_packed"),
             supports=_supports)
 def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
     how = ctx.decide
@@ -323,6 +325,9 @@ def _revisit_sdpa(run: _Run, node: fx.Node) -> bool:
         return False
     scale = scalar(scale) if scale is not None else None
     original = Call(q, k, v, mask, float(dropout), causal, scale, gqa)
+    packed = gqa_pack.rewrite(run, node, original, _gated_sdpa, _replace) if ctx.options.pack_gqa else None
+    if packed is not None:
+        return packed
     if mask is None:
         ctx.note(f"{node.name}: SDPA call with no mask{' (causal)' if causal else ''}: nothing to prove")
         return False

@@ -1,0 +1,148 @@
+"""Grouped-query attention at small query lengths: SDPA over the key/value heads, not over ``repeat_kv``'s copies.
+
+With an attention mask, transformers' SDPA path repeats each key/value head once for each of its query heads
+(``repeat_kv``: ``x[:, :, None]`` expanded to [B, KVH, r, L, D], reshaped to [B, KVH * r, L, D]) because the
+fused kernels take no grouped-query form with a mask on CUDA. The reshape of the expanded view is a copy: at each
+decode step, for k and for v, the whole cache r times over (Llama's 32 query heads over 8 key/value heads: 4
+times). Eagerly, transformers packs a one-token query instead (``pack_gqa``); under torch.compile it does not.
+
+Here, for any query length T up to ``MAX_QUERY``, in the graph::
+
+    q [B, H, T, D]    -> [B, KVH, r * T, D]   (query head h = kvh * r + j reads key/value head kvh)
+    mask [.., 1, T', L] -> as it is where T' == 1, else each row r times: [.., 1, r * T, L]
+    SDPA(q, k, v, mask) over the KVH heads of k and v as they are (no copy)
+    out [B, KVH, r * T, D] -> [B, H, T, D]
+
+Row j * T + t of a packed head is query head kvh * r + j at position t, which read key/value head kvh: the same
+sums, in another kernel's order. The mask must be the same for every head (its head dimension 1); a causal flag
+(positions counted from the first query row), dropout or ``enable_gqa`` leave the call as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from kpt_compiler import torch_ir as ir
+
+from ._attention_gate import Call
+
+MAX_QUERY = 64  # decode, speculative and small chunked steps; a prefill's causal call takes enable_gqa instead
+
+
+_FUNCTIONS = {"reshape": (torch.reshape, torch.Tensor.reshape), "view": (torch.Tensor.view,),
+              "expand": (torch.Tensor.expand,), "unsqueeze": (torch.unsqueeze, torch.Tensor.unsqueeze)}
+
+
+def _is_method(node, *names: str) -> bool:
+    """Whether ``node`` calls one of the tensor methods ``names`` (as a method or as torch's function)."""
+    return isinstance(node, fx.Node) and (node.op == "call_method" and node.target in names or node.op ==
+                                          "call_function" and any(node.target in _FUNCTIONS[n] for n in names))
+
+
+def _unsqueezed(node) -> fx.Node | None:
+    """x where ``node`` is ``x[:, :, None]`` (slices around the None) or ``x.unsqueeze(2)``."""
+    if _is_method(node, "unsqueeze") and len(node.args) == 2 and node.args[1] == 2:
+        return node.args[0]
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target is operator.getitem:
+        x, index = node.args
+        full = slice(None, None, None)
+        if isinstance(index, tuple) and len(index) >= 3 and index[:2] == (full, full) and index[2] is None \
+                and all(i == full or i is Ellipsis for i in index[3:]):
+            return x
+    return None
+
+
+def repeated(node) -> tuple[fx.Node, int] | None:
+    """(x, r) where ``node`` is ``repeat_kv(x, r)`` as transformers writes it, x [B, KVH, L, D], r > 1."""
+    if not _is_method(node, "reshape", "view"):
+        return None
+    expand = node.args[0]
+    if not _is_method(expand, "expand"):
+        return None
+    x = _unsqueezed(expand.args[0])
+    xv, ev, out = ir.example_value(x), ir.example_value(expand), ir.example_value(node)
+    if not all(isinstance(t, torch.Tensor) for t in (xv, ev, out)) or xv.dim() != 4 or ev.dim() != 5:
+        return None
+    b, kvh, length, d = xv.shape
+    r = ev.shape[2]
+    if tuple(ev.shape) != (b, kvh, r, length, d) or tuple(out.shape) != (b, kvh * r, length, d) or r == 1:
+        return None
+    return x, r
+
+
+def why_not(call: Call, r: int) -> str | None:
+    """Why the SDPA call ``call`` (k and v repeated r times, at a query length up to MAX_QUERY) is not packed."""
+    qv, kv = ir.example_value(call.q), ir.example_value(call.k)
+    if call.causal or call.dropout or call.gqa:
+        return "causal, dropout or enable_gqa"
+    if not isinstance(qv.shape[1], int) or qv.shape[1] != kv.shape[1] * r:
+        return "query heads that are not the key/value heads times the repeat"
+    if call.mask is not None:
+        mv = ir.example_value(call.mask)
+        if mv.dim() == 4 and mv.shape[1] != 1:
+            return "a mask that differs between heads"
+    return None
+
+
+def _small_query(call: Call, run) -> bool:
+    """A query of at most MAX_QUERY positions (a static length), and a mask from the inputs or none: a constant
+    mask goes to the pass's proofs instead (is_causal and the like), and a prefill's call is left as it is."""
+    qv, mask = ir.example_value(call.q), call.mask
+    if qv.dim() != 4 or not isinstance(qv.shape[2], int) or qv.shape[2] > MAX_QUERY:
+        return False
+    return mask is None or ir.depends_on_inputs(mask, tensors_only=True) and not run.marked(mask)
+
+
+def rewrite(run, node: fx.Node, call: Call, gated, replace) -> bool | None:
+    """``node``, an SDPA call over repeat_kv's k and v at a small query length, packed and made if the attention
+    pass's gate takes it (``gated``: attention._gated_sdpa; ``replace``: attention._replace). None where the call
+    is not of this form (then the pass's other rules look at it)."""
+    k, v = repeated(call.k), repeated(call.v)
+    graph = run.gm.graph
+    if k is None or v is None or k[1] != v[1] or not _small_query(call, run):
+        return None
+    why = why_not(Call(call.q, k[0], v[0], call.mask, call.dropout, call.causal, call.scale, call.gqa), k[1])
+    if why:
+        run.ctx.note(f"{node.name}: k and v are repeat_kv's copies; not packed: {why}")
+        return None
+    r, before = k[1], set(graph.nodes)
+    with graph.inserting_before(node):
+        fused, why = gated(run, node, pack(graph, call, (k[0], v[0]), r, node), call, before)
+        if fused is None:  # the gate declined it (a near miss with its reason): the pass's other rules look
+            return None
+        out = unpack(graph, fused, call, r, node)
+    dead = [n for kv in (call.k, call.v) for n in (kv, kv.args[0], kv.args[0].args[0])]
+    replace(run, node, out, f"grouped-query attention packed: the query's {r} heads a key/value head as {r} times "
+                            f"its rows, over k and v as they are (no repeat_kv copy){why}", None)
+    for n in dead:
+        if not n.users:
+            graph.erase_node(n)
+    run.ctx.count("gqa_packed")
+    return True
+
+
+def pack(graph: fx.Graph, call: Call, kv: tuple[fx.Node, fx.Node], r: int, like: fx.Node) -> Call:
+    """The packed call's q and mask, emitted at the insertion point (``unpack`` makes the output again). Only
+    H, T and r are read as numbers: a dynamic batch or key length stays symbolic."""
+    _, h, t, _ = ir.example_value(call.q).shape
+    heads = ir.emit(graph, torch.unflatten, (call.q, 1, (h // r, r)), like=like)  # [B, KVH, r, T, D]
+    q = ir.emit(graph, torch.flatten, (heads, 2, 3), like=like)
+    mask = call.mask
+    if mask is not None:
+        for _ in range(4 - ir.example_value(mask).dim()):  # [L], [T', L], [1, T', L]: leading dimensions of 1
+            mask = ir.emit(graph, torch.unsqueeze, (mask, 0), like=like)
+        if ir.example_value(mask).shape[2] != 1:  # a row per query position: r copies, in the packed rows' order
+            rows = ir.emit(graph, torch.unsqueeze, (mask, 2), like=like)
+            wide = ir.emit(graph, torch.Tensor.expand, (rows, (-1, -1, r, -1, -1)), like=like)
+            mask = ir.emit(graph, torch.flatten, (wide, 2, 3), like=like)
+    return Call(q, kv[0], kv[1], mask, call.dropout, False, call.scale, False)
+
+
+def unpack(graph: fx.Graph, out: fx.Node, call: Call, r: int, like: fx.Node) -> fx.Node:
+    """The packed call's output [B, KVH, r * T, D] as the original's [B, H, T, D]."""
+    t = ir.example_value(call.q).shape[2]
+    rows = ir.emit(graph, torch.unflatten, (out, 2, (r, t)), like=like)  # [B, KVH, r, T, D]
+    return ir.emit(graph, torch.flatten, (rows, 1, 2), like=like)

@@ -1,0 +1,126 @@
+"""The attention pass packs grouped-query SDPA calls over repeat_kv's copies at small query lengths
+(passes/_attention_gqa.py): the query's heads of a key/value head become rows, k and v are read as they are.
+Each case runs the rewritten graph eagerly against float64 eager, with its gradients, and checks the graph."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kpt_compiler
+from kpt_compiler.bench import relative_error
+from kpt_compiler.passes import _attention_gqa
+
+B, KVH, R, L, D = 2, 2, 3, 11, 16
+
+
+def repeat_kv(x, n_rep):  # transformers' spelling
+    b, kvh, slen, d = x.shape
+    return x[:, :, None, :, :].expand(b, kvh, n_rep, slen, d).reshape(b, kvh * n_rep, slen, d)
+
+
+def _attend(mask_shape=None, causal=False, unsqueeze=False):
+    def fn(q, k, v, mask):
+        if unsqueeze:
+            kr = k.unsqueeze(2).expand(-1, -1, R, -1, -1).reshape(B, KVH * R, L, D)
+            vr = v.unsqueeze(2).expand(-1, -1, R, -1, -1).reshape(B, KVH * R, L, D)
+        else:
+            kr, vr = repeat_kv(k, R), repeat_kv(v, R)
+        return F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask, is_causal=causal, scale=0.3)
+    return fn
+
+
+def _run(fn, t, mask, train=True):
+    g = torch.Generator().manual_seed(t)
+    q = torch.randn(B, KVH * R, t, D, generator=g).requires_grad_(train)
+    k, v = (torch.randn(B, KVH, L, D, generator=g).requires_grad_(train) for _ in range(2))
+    out = torch.compile(fn, backend="kernelpytorch", options={"codegen": "eager", "fusion": False})(q, k, v, mask)
+    ref_in = [x.detach().double().requires_grad_(train) for x in (q, k, v)]
+    ref = fn(*ref_in, mask.double() if mask is not None and mask.is_floating_point() else mask)
+    assert relative_error(out, ref) < 1e-5
+    if train:
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for x, r in zip((q, k, v), ref_in):
+            assert relative_error(x.grad, r.grad) < 1e-5
+    report = kpt_compiler.last_report()
+    return report.pass_record("attention"), report.stages["pre_aot"].ops_after
+
+
+def _padding(shape, t):
+    keep = torch.ones(shape, dtype=torch.bool)
+    keep[0, ..., 7:] = False  # the first sequence's last positions are padding
+    return keep if len(shape) < 4 or shape[2] == 1 else keep & torch.ones(L, L, dtype=torch.bool).tril(L - t)[-t:]
+
+
+@pytest.mark.parametrize("t, shape, additive", [
+    (1, (B, 1, 1, L), False), (1, (B, 1, 1, L), True), (3, (B, 1, 3, L), False), (3, (1, 1, 3, L), True),
+    (3, (B, 1, 1, L), False), (1, None, False), (4, (4, L), False)])
+def test_a_small_query_over_repeated_heads_is_packed(t, shape, additive):
+    # a decode step (T=1) and a few positions at once (speculative decoding): the mask with one row, a row per
+    # position (copied r times in the packed rows' order), batch-broadcast, additive, or none; a 2-D mask
+    mask = None if shape is None else _padding(shape, t)
+    if additive and mask is not None:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, -1e4)
+    rec, ops = _run(_attend(shape), t, mask)
+    assert rec.stats["gqa_packed"] == 1 and rec.matches == 1, rec.notes
+    assert any("its rows, over k and v as they are" in n for n in rec.notes), rec.notes
+    rows = shape is not None and shape[-2] > 1  # a mask with a row per position is expanded r times, k and v not
+    assert ops.get("expand", 0) == int(rows) and "reshape" not in ops, ops  # repeat_kv's copies are gone
+
+
+def test_the_unsqueeze_spelling_is_packed_too():
+    rec, _ = _run(_attend(unsqueeze=True), 1, _padding((B, 1, 1, L), 1))
+    assert rec.stats["gqa_packed"] == 1, rec.notes
+
+
+@pytest.mark.parametrize("why, fn, t, mask", [
+    ("causal", _attend(causal=True), 3, None),
+    ("differs between heads", _attend(), 1, torch.ones(B, KVH * R, 1, L, dtype=torch.bool)),
+    (None, _attend(), _attention_gqa.MAX_QUERY + 1, None)])
+def test_calls_it_cannot_pack_are_left_to_the_other_rules(why, fn, t, mask):
+    # a causal flag counts positions from the first query row, which packing would move; a mask per head has no
+    # single row for the packed heads (both said in the report); past MAX_QUERY the call is a prefill's (silent)
+    rec, _ = _run(fn, t, mask, train=False)  # the call still computes the same (checked there)
+    assert rec.stats.get("gqa_packed", 0) == 0, rec.notes
+    said = [n for n in rec.notes if "repeat_kv's copies; not packed: " in n]
+    assert (len(said) == 1 and why in said[0]) if why else not said, rec.notes
+
+
+def test_a_repeat_of_one_is_not_a_repeat():
+    import torch.fx as fx
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["example_value"] = torch.empty(1, 2, 5, 4)
+    u = g.call_function(__import__("operator").getitem, (x, (slice(None), slice(None), None)))
+    u.meta["example_value"] = torch.empty(1, 2, 1, 5, 4)
+    e = g.call_method("expand", (u, 1, 2, 1, 5, 4))
+    e.meta["example_value"] = torch.empty(1, 2, 1, 5, 4)
+    r = g.call_method("reshape", (e, 1, 2, 5, 4))
+    r.meta["example_value"] = torch.empty(1, 2, 5, 4)
+    assert _attention_gqa.repeated(r) is None
+    e.meta["example_value"] = torch.empty(1, 2, 3, 5, 4).expand(1, 2, 3, 5, 4)
+    r.meta["example_value"] = torch.empty(1, 6, 5, 4)
+    assert _attention_gqa.repeated(r) == (x, 3)
+
+
+def test_greedy_decoding_of_a_grouped_query_llama_is_packed_and_unchanged():
+    # transformers' static-cache decode under torch.compile repeats k and v (it packs only eagerly): the decode
+    # graph's calls are packed, and greedy tokens equal eager's
+    from benchmarks import bench_decode
+
+    model = bench_decode.build_model(bench_decode.TINY, "cpu", torch.float32)
+    assert model.config.num_attention_heads > model.config.num_key_value_heads
+    ids = torch.randint(0, bench_decode.TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
+    args = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        want = model.generate(ids, **args)
+        forward = model.forward
+        model.forward = torch.compile(forward, backend="kernelpytorch", options={"codegen": "eager"})
+        try:
+            got = model.generate(ids, **args)
+        finally:
+            model.forward = forward
+    assert torch.equal(got, want)
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.stats["gqa_packed"] == bench_decode.TINY["num_hidden_layers"], rec.notes
