@@ -96,6 +96,23 @@ def _small_query(call: Call, run) -> bool:
     return mask is None or ir.depends_on_inputs(mask, tensors_only=True) and not run.marked(mask)
 
 
+def _few_pairs(run, kv: fx.Node) -> str | None:
+    """On CUDA, why the packed call has too few (batch, key/value head) pairs for the GPU, or None. SDPA's fused
+    kernels run a block per pair and query tile and do not split the keys: packed, a batch of one has KVH blocks
+    where the repeated call had H. On an H200 (s33, bench_decode --step, 2000-token prompt) 8 pairs were 9%
+    slower than the copies (1.590 against 1.457 ms a step at batch 1) and 128 pairs 1.83x faster (2.101 against
+    3.839 at batch 16); under half the SMs the pass leaves the call as it is (between the two, not measured)."""
+    target = run.ctx.target
+    if not target.is_cuda or not target.multiprocessors:
+        return None
+    b, kvh = ir.example_value(kv).shape[:2]
+    if not isinstance(b, int):
+        return "a dynamic batch: the blocks the packed call would have are not known"
+    if 2 * b * kvh < target.multiprocessors:
+        return f"{b} x {kvh} (batch, key/value head) pairs, under half of the GPU's {target.multiprocessors} SMs"
+    return None
+
+
 def rewrite(run, node: fx.Node, call: Call, gated, replace) -> bool | None:
     """``node``, an SDPA call over repeat_kv's k and v at a small query length, packed and made if the attention
     pass's gate takes it (``gated``: attention._gated_sdpa; ``replace``: attention._replace). None where the call
@@ -107,6 +124,10 @@ def rewrite(run, node: fx.Node, call: Call, gated, replace) -> bool | None:
     why = why_not(Call(call.q, k[0], v[0], call.mask, call.dropout, call.causal, call.scale, call.gqa), k[1])
     if why:
         run.ctx.note(f"{node.name}: k and v are repeat_kv's copies; not packed: {why}")
+        return None
+    few = _few_pairs(run, k[0])
+    if few:
+        run.ctx.note(f"{node.name}: k and v are repeat_kv's copies; not packed: {few}")
         return None
     r, before = k[1], set(graph.nodes)
     with graph.inserting_before(node):
