@@ -9,7 +9,6 @@ OPTION_SETS: dict[str, dict] = {
     "ro": {"mode": "reduce-overhead"},  # CUDA graphs on top of our pipeline, to compare with inductor-ro
     "no-attention": {"attention": False},
     "no-cudagraphs": {"cudagraphs": False},  # small inference graphs launched kernel by kernel: what capture buys  # the attention pass off: what it buys (or costs) on every model
-    "no-pack-gqa": {"attention": {"pack_gqa": False}},  # grouped-query SDPA over repeat_kv's copies, as before
     "attention-flash": {"attention": {"backend": "flash"}},  # flash before cuDNN: what the priority buys
     "no-fusion": {"fusion": False},  # the fusion group off (on by default): what its passes buy on every model
     "ro-no-fusion": {"mode": "reduce-overhead", "fusion": False},  # the same under CUDA graphs

@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 @functools.lru_cache(maxsize=4096)  # a call per layer and step: the same few shapes (read only: callers copy)
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     """The launch settings for M x N x K: the register pipeline up to M=8 (the async ring with 2 row tiles a warp
-    past 8 SMs' worth of row tiles), the ring from M=9 (H200, s29-s32; docs/fp4-cuda-kernel.md, "config")."""
+    past 8 SMs' worth of row tiles), the ring from M=9 (H200, s29-s33; docs/fp4-cuda-kernel.md, "config")."""
     chunks = k // CHUNK
     tiles = -(-n // 16)
     rt = 4 if -(-tiles // 4) >= sms else 2
@@ -291,7 +291,7 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
         wk = 1
         while wk < 8 and groups * wk * 2 <= 8 * sms and chunks >= 4 * wk:
             wk *= 2
-        rw = 2 if wk == 2 else 1  # rows enough for two warps along K only: two row groups a block (s33's sweep)
+        rw = 2 if wk == 2 else 1  # 2 warps along K (rows for no more; or K under 1024, not swept): 2 row groups
         return dict(cuda=True, nt=2, rw=rw, wk=wk, depth=2, split_k=1, rt=rt, **{"async": True})
     wk = 1
     while wk < 8 and tiles * wk * 2 <= 16 * sms and chunks >= 4 * wk:

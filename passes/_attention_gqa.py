@@ -82,7 +82,7 @@ def why_not(call: Call, r: int) -> str | None:
         return "query heads that are not the key/value heads times the repeat"
     if call.mask is not None:
         mv = ir.example_value(call.mask)
-        if mv.dim() == 4 and mv.shape[1] != 1:
+        if mv.dim() >= 3 and mv.shape[-3] != 1:  # [.., H, T', L] (a 3-D mask's first dimension is the heads')
             return "a mask that differs between heads"
     return None
 
@@ -101,7 +101,9 @@ def _few_pairs(run, kv: fx.Node) -> str | None:
     kernels run a block per pair and query tile and do not split the keys: packed, a batch of one has KVH blocks
     where the repeated call had H. On an H200 (s33, bench_decode --step, 2000-token prompt) 8 pairs were 9%
     slower than the copies (1.590 against 1.457 ms a step at batch 1) and 128 pairs 1.83x faster (2.101 against
-    3.839 at batch 16); under half the SMs the pass leaves the call as it is (between the two, not measured)."""
+    3.839 at batch 16); under half the SMs the pass leaves the call as it is (between the two, not measured).
+    Not under decide="always". Under "measure" the gate times the packed call against the original call alone,
+    without repeat_kv's copies, which favours the original."""
     target = run.ctx.target
     if not target.is_cuda or not target.multiprocessors:
         return None
@@ -125,9 +127,10 @@ def rewrite(run, node: fx.Node, call: Call, gated, replace) -> bool | None:
     if why:
         run.ctx.note(f"{node.name}: k and v are repeat_kv's copies; not packed: {why}")
         return None
-    few = _few_pairs(run, k[0])
+    few = _few_pairs(run, k[0]) if run.how != "always" else None
     if few:
-        run.ctx.note(f"{node.name}: k and v are repeat_kv's copies; not packed: {few}")
+        run.ctx.near_miss(f"{node.name}: k and v are repeat_kv's copies; the packed grouped-query form is not made: "
+                          f"{few}")
         return None
     r, before = k[1], set(graph.nodes)
     with graph.inserting_before(node):
@@ -135,7 +138,7 @@ def rewrite(run, node: fx.Node, call: Call, gated, replace) -> bool | None:
         if fused is None:  # the gate declined it (a near miss with its reason): the pass's other rules look
             return None
         out = unpack(graph, fused, call, r, node)
-    dead = [n for kv in (call.k, call.v) for n in (kv, kv.args[0], kv.args[0].args[0])]
+    dead = list(dict.fromkeys(n for kv in (call.k, call.v) for n in (kv, kv.args[0], kv.args[0].args[0])))
     replace(run, node, out, f"grouped-query attention packed: the query's {r} heads a key/value head as {r} times "
                             f"its rows, over k and v as they are (no repeat_kv copy){why}", None)
     for n in dead:
