@@ -163,3 +163,20 @@ def test_k_and_v_from_one_repeat_and_a_dynamic_batch_and_length():
         assert kpt_compiler.last_report().pass_record("attention").stats["gqa_packed"] == 1
     graph = kpt_compiler.last_report().stages["pre_aot"]
     assert "reshape" not in graph.ops_after and "expand" not in graph.ops_after, graph.ops_after
+
+
+def test_what_measure_times_for_the_original_is_the_copies_and_the_call():
+    import torch.fx as fx
+
+    from kpt_compiler.passes._attention_gate import Call
+
+    g = fx.Graph()
+    nodes = []
+    for name, t in (("q", torch.empty(B, KVH * R, 1, D)), ("k", torch.empty(B, KVH * R, L, D)),
+                    ("v", torch.empty(B, KVH * R, L, D)), ("m", torch.empty(B, 1, 1, L, dtype=torch.bool))):
+        n = g.placeholder(name)
+        n.meta["example_value"] = t
+        nodes.append(n)
+    timed = _attention_gqa.WithCopies(Call(*nodes, 0.0, False, 0.3), R)
+    out = timed.run("cpu")()
+    assert out.shape == (B, KVH * R, 1, D) and out.isfinite().all()
