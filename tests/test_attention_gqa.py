@@ -108,6 +108,7 @@ def test_a_repeat_of_one_is_not_a_repeat():
 def test_greedy_decoding_of_a_grouped_query_llama_is_packed_and_unchanged():
     # transformers' static-cache decode under torch.compile repeats k and v (it packs only eagerly): the decode
     # graph's calls are packed, and greedy tokens equal eager's
+    pytest.importorskip("transformers")
     from benchmarks import bench_decode
 
     model = bench_decode.build_model(bench_decode.TINY, "cpu", torch.float32)
