@@ -50,7 +50,8 @@ LOCAL_SETS = {"cudagraphs-always": {"cudagraphs": {"decide": "always"}},  # not 
               # the same with each layer its own kernel (q, k, v and gate, up not quantized as one weight)
               "fp4-no-merge": {"fp4": {"decide": "always", "merge_parallel_linears": False}},
               "fp4-no-pack-gqa": {"fp4": {"decide": "always"}, "attention": {"pack_gqa": False}},
-              "no-pack-gqa": {"attention": {"pack_gqa": False}}}  # grouped-query SDPA over repeat_kv's copies
+              "no-pack-gqa": {"attention": {"pack_gqa": False}},  # grouped-query SDPA over repeat_kv's copies
+              "attention-always": {"attention": {"decide": "always"}}}  # packed below the SMs' pair threshold too
 DEFAULT_MODES = "eager,inductor,inductor-ro,kpt,kpt[no-cudagraphs],kpt[ro],kpt[cudagraphs-always]"
 NEEDS_CUDA = ("inductor-ro", "kpt[ro]", "kpt[cudagraphs-always]")
 FULL = dict(num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
