@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from kpt_compiler import torch_ir as ir
 
-from ._attention_gate import Call
+from ._attention_gate import Call, _random
 
 MAX_QUERY = 64  # decode, speculative and small chunked steps; a prefill's causal call takes enable_gqa instead
 
@@ -133,13 +133,13 @@ def rewrite(run, node: fx.Node, call: Call, gated, replace) -> bool | None:
         return None
     r, before = k[1], set(graph.nodes)
     with graph.inserting_before(node):
-        fused, why = gated(run, node, pack(graph, call, (k[0], v[0]), r, node), WithCopies(call, r), before)
+        fused, gate_why = gated(run, node, pack(graph, call, (k[0], v[0]), r, node), WithCopies(call, r), before)
         if fused is None:  # the gate declined it (a near miss with its reason): the pass's other rules look
             return None
         out = unpack(graph, fused, call, r, node)
     dead = list(dict.fromkeys(n for kv in (call.k, call.v) for n in (kv, kv.args[0], kv.args[0].args[0])))
     replace(run, node, out, f"grouped-query attention packed: the query's {r} heads a key/value head as {r} times "
-                            f"its rows, over k and v as they are (no repeat_kv copy){why}", None)
+                            f"its rows, over k and v as they are (no repeat_kv copy){gate_why}", None)
     for n in dead:
         if not n.users:
             graph.erase_node(n)
@@ -155,8 +155,7 @@ class WithCopies(Call):
         self.r = r
 
     def run(self, device):
-        q, k, v, m = (None if t is None else torch.randn(t.shape, device=device).to(t.dtype) if t.is_floating_point()
-                      else torch.ones(t.shape, dtype=t.dtype, device=device) for t in self.values())
+        q, k, v, m = (None if t is None else _random(t, device) for t in self.values())
         b, h, length, d = k.shape
         k0, v0 = k[:, ::self.r].contiguous(), v[:, ::self.r].contiguous()  # [B, KVH, L, D]
         kwargs = {"attn_mask": m, "dropout_p": self.dropout, "is_causal": self.causal, "scale": self.scale}

@@ -178,6 +178,18 @@ def test_what_measure_times_for_the_original_is_the_copies_and_the_call():
         n = g.placeholder(name)
         n.meta["example_value"] = t
         nodes.append(n)
-    timed = _attention_gqa.WithCopies(Call(*nodes, 0.0, False, 0.3), R)
-    out = timed.run("cpu")()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):  # the aten ops the timed closure runs
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    timed = _attention_gqa.WithCopies(Call(*nodes, 0.0, False, 0.3), R).run("cpu")
+    with Ops():
+        out = timed()
     assert out.shape == (B, KVH * R, 1, D) and out.isfinite().all()
+    assert Ops.seen.count("clone.default") == 2, Ops.seen  # repeat_kv's two copies, then the call
+    assert any("scaled_dot_product" in op for op in Ops.seen[-1:]), Ops.seen
