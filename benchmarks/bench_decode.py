@@ -51,7 +51,11 @@ LOCAL_SETS = {"cudagraphs-always": {"cudagraphs": {"decide": "always"}},  # not 
               "fp4-no-merge": {"fp4": {"decide": "always", "merge_parallel_linears": False}},
               "fp4-no-pack-gqa": {"fp4": {"decide": "always"}, "attention": {"pack_gqa": False}},
               "no-pack-gqa": {"attention": {"pack_gqa": False}},  # grouped-query SDPA over repeat_kv's copies
-              "attention-always": {"attention": {"decide": "always"}}}  # packed below the SMs' pair threshold too
+              "attention-always": {"attention": {"decide": "always"}},  # packed below the SMs' pair threshold too
+              # grouped-query attention at small query lengths as SDPA over the packed query, not FlexAttention
+              "gqa-sdpa": {"attention": {"gqa_kernel": "sdpa"}},
+              "fp4-gqa-sdpa": {"fp4": {"decide": "always"}, "attention": {"gqa_kernel": "sdpa"}},
+              "gqa-sdpa-always": {"attention": {"gqa_kernel": "sdpa", "decide": "always"}}}
 DEFAULT_MODES = "eager,inductor,inductor-ro,kpt,kpt[no-cudagraphs],kpt[ro],kpt[cudagraphs-always]"
 NEEDS_CUDA = ("inductor-ro", "kpt[ro]", "kpt[cudagraphs-always]")
 FULL = dict(num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,

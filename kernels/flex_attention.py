@@ -29,7 +29,7 @@ import torch
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
 from torch.nn.attention.flex_attention import _apply_kernel_options, create_block_mask, noop_mask
 
-__all__ = ["flex_sdpa", "reference"]
+__all__ = ["flex_sdpa", "flex_masked_sdpa", "reference"]
 
 
 def _mask_mod(causal: bool, window: int | None):
@@ -81,6 +81,45 @@ def flex_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
             raise ValueError(f"bias has coefficients for {len(bias)} heads, the query has {q.shape[1]}")
         buffers = (torch.tensor(bias, dtype=torch.float32, device=q.device),)
     score_mod = _score_mod(softcap, (bias_dtype or torch.float32) if bias is not None else None)
+    out, *_ = flex_attention_hop(q, k, v, score_mod, block.as_tuple(), scale, kernel_options, buffers)
+    return out
+
+
+def _dense_mask_score_mod(boolean: bool, per_head: bool):
+    """score_mod reading a dense [B, H or 1, T, S] mask: boolean keeps where true, floating is added."""
+    if boolean:
+        def keep(score, b, h, q_idx, kv_idx, mask):
+            return torch.where(mask[b, h if per_head else 0, q_idx, kv_idx], score, -math.inf)
+
+        return keep
+
+    def add(score, b, h, q_idx, kv_idx, mask):
+        return score + mask[b, h if per_head else 0, q_idx, kv_idx].to(score.dtype)
+
+    return add
+
+
+def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                     scale: float) -> torch.Tensor:
+    """SDPA with ``attn_mask=mask`` (boolean: keep where true; floating: added to the scores), as FlexAttention.
+
+    q [B, Hq, T, D]; k and v [B, Hkv, S, D] with Hq a multiple of Hkv: query head h reads key/value head
+    h // (Hq // Hkv) (SDPA's ``enable_gqa``), so k and v are read as they are, never repeated. The mask is a
+    score_mod buffer, broadcast to [B, 1 or Hq, T, S] (a view), and the block mask is full. Under Inductor, at
+    query lengths under 128 with static batch and heads and a power-of-two head ratio, this is Inductor's
+    FlexAttention decoding kernel: it splits the keys across blocks and runs a key/value head's query heads in
+    one block (passes/_attention_gqa.py uses it for decode steps).
+    """
+    b, hq, t, _ = q.shape
+    s = k.shape[-2]
+    score_mod, buffers = _score_mod(None), ()
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        per_head = mask.shape[1] != 1
+        mask = mask.expand(b, hq if per_head else 1, t, s)
+        score_mod, buffers = _dense_mask_score_mod(mask.dtype == torch.bool, per_head), (mask,)
+    block = create_block_mask(noop_mask, None, None, t, s, device=q.device)
+    kernel_options = _apply_kernel_options(q, k, v, False, None)
     out, *_ = flex_attention_hop(q, k, v, score_mod, block.as_tuple(), scale, kernel_options, buffers)
     return out
 

@@ -122,6 +122,10 @@ def rewrite(run, node: fx.Node, call: Call, gated, replace) -> bool | None:
     graph = run.gm.graph
     if k is None or v is None or k[1] != v[1] or not _small_query(call, run):
         return None
+    if _flex(run, node, Call(call.q, k[0], v[0], call.mask, call.dropout, call.causal, call.scale), k[1], replace):
+        _erase_copies(graph, call)
+        run.ctx.count("gqa_flex")
+        return True
     why = why_not(Call(call.q, k[0], v[0], call.mask, call.dropout, call.causal, call.scale, call.gqa), k[1])
     if why:
         run.ctx.note(f"{node.name}: k and v are repeat_kv's copies; not packed: {why}")
@@ -137,13 +141,67 @@ def rewrite(run, node: fx.Node, call: Call, gated, replace) -> bool | None:
         if fused is None:  # the gate declined it (a near miss with its reason): the pass's other rules look
             return None
         out = unpack(graph, fused, call, r, node)
-    dead = list(dict.fromkeys(n for kv in (call.k, call.v) for n in (kv, kv.args[0], kv.args[0].args[0])))
     replace(run, node, out, f"grouped-query attention packed: the query's {r} heads a key/value head as {r} times "
                             f"its rows, over k and v as they are (no repeat_kv copy){gate_why}", None)
-    for n in dead:
+    _erase_copies(graph, call)
+    run.ctx.count("gqa_packed")
+    return True
+
+
+def _erase_copies(graph: fx.Graph, call: Call) -> None:
+    """repeat_kv's nodes for k and v (reshape, expand, unsqueeze), where nothing else reads them."""
+    for n in list(dict.fromkeys(n for kv in (call.k, call.v) for n in (kv, kv.args[0], kv.args[0].args[0]))):
         if not n.users:
             graph.erase_node(n)
-    run.ctx.count("gqa_packed")
+
+
+def _flex_why_not(run, call: Call, r: int) -> str | None:
+    """Why the grouped-query call (k and v un-repeated) does not run as FlexAttention's decoding kernel, or None.
+    Inductor takes that kernel at query lengths under 128 with static batch and heads and a power-of-two head
+    ratio (torch/_inductor/kernel/flex/flex_decoding.py, ``_use_flex_decoding``)."""
+    ctx = run.ctx
+    if ctx.codegen == "inductor" and not ctx.target.is_cuda:
+        return "not on the CPU (no figure there; Inductor's FlexAttention for the CPU has no backward)"
+    if ctx.codegen not in ("inductor", "eager"):
+        return f"not under codegen {ctx.codegen!r}"
+    if call.causal or call.dropout:
+        return "causal or dropout"
+    q, k, v, m = call.values()
+    if not call.static():
+        return "dynamic shapes (the decoding kernel needs a static batch and heads)"
+    if r & (r - 1) or q.shape[1] != k.shape[1] * r or q.shape[-1] != v.shape[-1]:
+        return f"{q.shape[1]} query heads over {k.shape[1]} key/value heads: not a power-of-two ratio"
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return "q, k and v not of one floating dtype"
+    if m is not None and m.dtype != torch.bool and not m.dtype.is_floating_point:
+        return f"a {m.dtype} mask"
+    if m is not None and m.dim() >= 3 and m.shape[-3] not in (1, q.shape[1]):
+        return "a mask whose head dimension is neither 1 nor the query's heads"
+    return None
+
+
+def _flex(run, node: fx.Node, call: Call, r: int, replace) -> bool:
+    """Replace ``node`` by FlexAttention over k and v as they are (``call``: the un-repeated k and v), where the
+    option asks for it (``gqa_kernel``: "flex"; "auto": on CUDA) and it applies; else False (then packed SDPA)."""
+    choice = run.ctx.options.gqa_kernel
+    if choice == "sdpa" or choice == "auto" and not run.ctx.target.is_cuda:
+        return False
+    why = _flex_why_not(run, call, r)
+    if why:
+        if choice == "flex" or run.ctx.target.is_cuda:
+            run.ctx.near_miss(f"{node.name}: k and v are repeat_kv's copies; FlexAttention's decoding form is not "
+                              f"made: {why}")
+        return False
+    from kpt_compiler.kernels.flex_attention import flex_masked_sdpa
+
+    qv = ir.example_value(call.q)
+    scale = call.scale if call.scale is not None else qv.shape[-1] ** -0.5
+    with run.gm.graph.inserting_before(node):
+        out = ir.emit(run.gm.graph, flex_masked_sdpa, (call.q, call.k, call.v, call.mask), {"scale": scale},
+                      like=node, fake_fn=lambda q, *_, **__: torch.empty_like(q, memory_format=torch.contiguous_format))
+    replace(run, node, out, f"grouped-query attention as FlexAttention ({r} query heads a key/value head, over k "
+                            "and v as they are: no repeat_kv copy; at query lengths under 128 on CUDA, Inductor's "
+                            "decoding kernel, which splits the keys across blocks)", None)
     return True
 
 

@@ -19,12 +19,12 @@ exactly lower-triangular the rewrite uses ``is_causal=True`` and drops it: the f
 masked half. A candidate whose scores or probabilities are used elsewhere (a model returning attention
 weights), or whose form is not one of the above, is left alone and reported as a near miss.
 
-An SDPA call already in the graph (transformers' default path, timm, user code) gets the same mask analysis:
-a mask that depends on no input is dropped, made ``is_causal`` or a FlexAttention form; one from the inputs
-stays exact. On CUDA a mask whose last dimension is not dense is read through one contiguous copy (every
-fused kernel needs stride 1 there). Each SDPA call a rewrite would make goes through the profit gate
-(passes/_attention_gate.py): under ``decide="auto"`` it is made only where the dispatcher gives it a fused
-kernel, not SDPA's math backend.
+An SDPA call already in the graph (transformers' default path, timm, user code) gets the same mask analysis: a
+mask that depends on no input is dropped, made ``is_causal`` or a FlexAttention form; one from the inputs stays
+exact. On CUDA a mask whose last dimension is not dense is read through one contiguous copy (every fused kernel
+needs stride 1 there). Each SDPA call a rewrite would make goes through the profit gate
+(passes/_attention_gate.py): under ``decide="auto"`` it is made only where the dispatcher gives it a fused kernel,
+not SDPA's math backend.
 
 Why this runs before AOTAutograd (stage pre_aot) rather than on the joint graph: at the torch level the
 attention chain is six nodes (softmax is one call), and SDPA's own autograd formula gives the backward when
@@ -57,7 +57,6 @@ from ._attention_match import Attention, Miss, match, scalar
 
 # torch 2.9's fake tensors cannot trace torch.tensor(python floats) inside flex_sdpa (the ALiBi coefficients)
 BIAS_IN_FLEX = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11)
-_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +71,8 @@ class AttentionOptions:
     decide: Literal["auto", "measure", "always"] = "auto"
     # SDPA over repeat_kv's copies at query lengths up to 64 runs over the key/value heads (passes/_attention_gqa.py)
     pack_gqa: bool = True
+    # ... as FlexAttention's decoding kernel ("flex") or SDPA over the packed query ("sdpa"); "auto": flex on CUDA
+    gqa_kernel: Literal["auto", "flex", "sdpa"] = "auto"
 
     def __post_init__(self):
         if self.min_seq_len < 1:
@@ -86,8 +87,8 @@ def _supports(target, options) -> str | None:
 
 @graph_pass("attention", summary="attention -> fused SDPA or FlexAttention: hand-written attention rewritten, "
             "existing SDPA calls' constant masks proven away", stage="pre_aot", options=AttentionOptions,
-            statistics=("matches", "near_misses", "causal", "window", "linear_bias", "sdpa_calls", "gqa_packed"),
-            supports=_supports)
+            statistics=("matches", "near_misses", "causal", "window", "linear_bias", "sdpa_calls", "gqa_packed",
+                        "gqa_flex"), supports=_supports)
 def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
     how = ctx.decide
     run = _Run(gm, ctx, how, _backend_order(ctx))

@@ -1,0 +1,153 @@
+"""Grouped-query SDPA over repeat_kv's copies at small query lengths as FlexAttention over k and v as they are
+(passes/_attention_gqa.py, ``gqa_kernel``; kernels/flex_attention.py, ``flex_masked_sdpa``). On the CPU the
+rewritten graph runs eagerly (the higher-order op's own math) against float64 eager, gradients included."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kpt_compiler
+from kpt_compiler.bench import relative_error
+from kpt_compiler.kernels.flex_attention import flex_masked_sdpa
+
+B, KVH, L, D = 2, 2, 11, 16
+
+
+def repeat_kv(x, n_rep):  # transformers' spelling
+    b, kvh, slen, d = x.shape
+    return x[:, :, None, :, :].expand(b, kvh, n_rep, slen, d).reshape(b, kvh * n_rep, slen, d)
+
+
+def _attend(r, causal=False):
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, r), repeat_kv(v, r), attn_mask=mask,
+                                              is_causal=causal, scale=0.3)
+    return fn
+
+
+def _run(r, t, mask, train=True, options=None, causal=False):
+    fn = _attend(r, causal)
+    g = torch.Generator().manual_seed(t)
+    q = torch.randn(B, KVH * r, t, D, generator=g).requires_grad_(train)
+    k, v = (torch.randn(B, KVH, L, D, generator=g).requires_grad_(train) for _ in range(2))
+    opts = {"codegen": "eager", "fusion": False, "attention": {"gqa_kernel": "flex"}}
+    opts.update(options or {})
+    torch._dynamo.reset()  # the same code object with other options: compile again
+    out = torch.compile(fn, backend="kernelpytorch", options=opts)(q, k, v, mask)
+    ref_in = [x.detach().double().requires_grad_(train) for x in (q, k, v)]
+    ref = fn(*ref_in, mask.double() if mask is not None and mask.is_floating_point() else mask)
+    assert relative_error(out, ref) < 1e-5
+    if train:
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        for x, want in zip((q, k, v), ref_in):
+            assert relative_error(x.grad, want.grad) < 1e-5
+    report = kpt_compiler.last_report()
+    return report.pass_record("attention"), report.stages["pre_aot"].ops_after
+
+
+def _keep(shape, t):
+    keep = torch.rand(shape, generator=torch.Generator().manual_seed(7)) > 0.3
+    keep[..., 0] = True  # no row fully masked
+    return keep
+
+
+@pytest.mark.parametrize("r, t, shape, additive", [
+    (4, 1, (B, 1, 1, L), False), (4, 1, (B, 1, 1, L), True), (2, 3, (B, 1, 3, L), False),
+    (4, 3, (1, 1, 1, L), True), (2, 1, None, False), (4, 2, (2, L), False),
+    (2, 1, (B, 2 * KVH, 1, L), False)])  # a mask per query head too (the packed SDPA form cannot take it)
+def test_a_small_query_over_repeated_heads_runs_as_flexattention(r, t, shape, additive):
+    mask = None if shape is None else _keep(shape, t)
+    if additive and mask is not None:
+        mask = torch.zeros(mask.shape).masked_fill(~mask, -1e4)
+    rec, ops = _run(r, t, mask)
+    assert rec.stats["gqa_flex"] == 1 and rec.stats.get("gqa_packed", 0) == 0 and rec.matches == 1, rec.notes
+    assert any("grouped-query attention as FlexAttention" in n for n in rec.notes), rec.notes
+    assert "reshape" not in ops and "expand" not in ops, ops  # repeat_kv's copies are gone
+    assert "flex_masked_sdpa" in ops, ops
+
+
+@pytest.mark.parametrize("why, r, t, options", [
+    ("not a power-of-two ratio", 3, 1, {}),
+    ("causal or dropout", 2, 3, {"causal": True}),
+    ("not on the CPU", 2, 1, {"codegen": "inductor"})])
+def test_what_flexattention_cannot_take_is_a_near_miss_and_left_to_packing(why, r, t, options):
+    causal = options.pop("causal", False)
+    mask = None if causal else _keep((B, 1, 1, L), t)
+    if options.get("codegen") == "inductor":  # one small Inductor compile: the graph runs through it
+        rec, _ = _run(r, t, mask, train=False, options=options)
+    else:
+        rec, _ = _run(r, t, mask, train=False, causal=causal)
+    assert rec.stats.get("gqa_flex", 0) == 0, rec.notes
+    said = [n for n in rec.notes if "FlexAttention's decoding form is not made: " in n]
+    assert len(said) == 1 and why in said[0], rec.notes
+    assert rec.stats.get("gqa_packed", 0) == int(not causal), rec.notes  # the packed SDPA form instead
+
+
+def test_auto_takes_flexattention_on_cuda_and_packed_sdpa_on_the_cpu(monkeypatch):
+    import kpt_compiler.backend as backend_module
+    from kpt_compiler.passes import _attention_gate as gate
+    from kpt_compiler.target import Target
+
+    mask = _keep((B, 1, 1, L), 1)
+    rec, _ = _run(4, 1, mask, train=False, options={"attention": {}})
+    assert rec.stats["gqa_packed"] == 1 and not rec.stats.get("gqa_flex"), rec.notes
+    card = Target("cuda", "NVIDIA H200", (9, 0), multiprocessors=132)
+    monkeypatch.setattr(backend_module, "detect_target", lambda *a, **k: card)
+    monkeypatch.setattr(gate, "backend", lambda call, device, order: "CUDNN_ATTENTION")
+    rec, _ = _run(4, 1, mask, train=False, options={"attention": {}})
+    assert rec.stats.get("gqa_flex") == 1 and not rec.stats.get("gqa_packed"), rec.notes
+    rec, _ = _run(4, 1, mask, train=False, options={"attention": {"gqa_kernel": "sdpa"}})
+    assert not rec.stats.get("gqa_flex"), rec.notes  # sdpa: the pair rule instead (2 x 2 pairs: left as it is)
+
+
+def test_a_dynamic_batch_is_left_to_packing():
+    def fn(q, kv, mask):
+        r = repeat_kv(kv, 2)
+        return F.scaled_dot_product_attention(q, r, r, attn_mask=mask, scale=0.3)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="kernelpytorch",
+                             options={"codegen": "eager", "fusion": False, "attention": {"gqa_kernel": "flex"}})
+    g = torch.Generator().manual_seed(1)
+    for b, length in ((2, 11), (3, 17)):
+        q, kv = torch.randn(b, 2 * KVH, 1, D, generator=g), torch.randn(b, KVH, length, D, generator=g)
+        mask = torch.rand(b, 1, 1, length, generator=g) > 0.2
+        mask[..., 0] = True
+        assert relative_error(compiled(q, kv, mask), fn(q.double(), kv.double(), mask)) < 1e-5
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.stats["gqa_packed"] == 1 and not rec.stats.get("gqa_flex"), rec.notes
+    assert any("not made: dynamic shapes" in n for n in rec.notes), rec.notes
+
+
+@pytest.mark.parametrize("shape", [(B, 1, 3, L), (3, L), None])
+def test_flex_masked_sdpa_is_sdpa_with_the_mask(shape):
+    # the kernel's function alone, eagerly: boolean and additive masks, broadcast, none; grouped-query heads
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, 4 * KVH, 3, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, KVH, L, D, generator=g, dtype=torch.float64) for _ in range(2))
+    masks = [None] if shape is None else [_keep(shape, 3), torch.randn(shape, generator=g, dtype=torch.float64)]
+    for m in masks:
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.25, enable_gqa=True)
+        assert relative_error(flex_masked_sdpa(q, k, v, m, scale=0.25), want) < 1e-10
+
+
+def test_greedy_decoding_of_a_grouped_query_llama_with_flexattention_is_unchanged():
+    pytest.importorskip("transformers")
+    from benchmarks import bench_decode
+
+    model = bench_decode.build_model(bench_decode.TINY, "cpu", torch.float32)
+    ids = torch.randint(0, bench_decode.TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
+    args = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        want = model.generate(ids, **args)
+        forward = model.forward
+        model.forward = torch.compile(forward, backend="kernelpytorch",
+                                      options={"codegen": "eager", "attention": {"gqa_kernel": "flex"}})
+        try:
+            got = model.generate(ids, **args)
+        finally:
+            model.forward = forward
+    assert torch.equal(got, want)
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.stats["gqa_flex"] == bench_decode.TINY["num_hidden_layers"], rec.notes
