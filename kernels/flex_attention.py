@@ -99,8 +99,19 @@ def _dense_mask_score_mod(boolean: bool, per_head: bool):
     return add
 
 
-def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-                     scale: float) -> torch.Tensor:
+def full_blocks(t: int, s: int, device) -> tuple[tuple, list[torch.Tensor]]:
+    """The full block mask of a t x s attention, computed now: ``flex_masked_sdpa``'s ``block_spec`` (the higher-
+    order op's block tuple, "tensor" where it holds a tensor) and those tensors, for a graph to hold as constants
+    (built in the graph, it is a few kernels a call: sorts among them)."""
+    *items, mask_mod = create_block_mask(noop_mask, None, None, t, s, device=device).as_tuple()
+    assert callable(mask_mod), "the block tuple's last item is its mask_mod"
+    return tuple("tensor" if isinstance(x, torch.Tensor) else x for x in items), \
+        [x for x in items if isinstance(x, torch.Tensor)]
+
+
+def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     blocks: tuple[torch.Tensor, ...] = (), *, scale: float, block_spec: tuple | None = None
+                     ) -> torch.Tensor:
     """SDPA with ``attn_mask=mask`` (boolean: keep where true; floating: added to the scores), as FlexAttention.
 
     q [B, Hq, T, D]; k and v [B, Hkv, S, D] with Hq a multiple of Hkv: query head h reads key/value head
@@ -108,7 +119,8 @@ def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     score_mod buffer, broadcast to [B, 1 or Hq, T, S] (a view), and the block mask is full. Under Inductor, at
     query lengths under 128 with static batch and heads and a power-of-two head ratio, this is Inductor's
     FlexAttention decoding kernel: it splits the keys across blocks and runs a key/value head's query heads in
-    one block (passes/_attention_gqa.py uses it for decode steps).
+    one block (passes/_attention_gqa.py uses it for decode steps). ``blocks`` and ``block_spec``: the full block
+    mask from ``full_blocks`` (else it is built here).
     """
     b, hq, t, _ = q.shape
     s = k.shape[-2]
@@ -118,10 +130,22 @@ def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         per_head = mask.shape[1] != 1
         mask = mask.expand(b, hq if per_head else 1, t, s)
         score_mod, buffers = _dense_mask_score_mod(mask.dtype == torch.bool, per_head), (mask,)
-    block = create_block_mask(noop_mask, None, None, t, s, device=q.device)
+    if block_spec is None:
+        block = create_block_mask(noop_mask, None, None, t, s, device=q.device).as_tuple()
+    else:
+        tensors = iter(blocks)
+        block = tuple(next(tensors) if x == "tensor" else x for x in block_spec) + (noop_mask,)
     kernel_options = _apply_kernel_options(q, k, v, False, None)
-    out, *_ = flex_attention_hop(q, k, v, score_mod, block.as_tuple(), scale, kernel_options, buffers)
+    out, *_ = flex_attention_hop(q, k, v, score_mod, block, scale, kernel_options, buffers)
     return out
+
+
+def _sdpa_flops(q, k, v, mask=None, blocks=(), **_):
+    """What torch's FLOP counter cannot run (the higher-order op under it, torch 2.11-2.13) counted as SDPA's."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+
+
+flex_sdpa.flop_standin = flex_masked_sdpa.flop_standin = _sdpa_flops
 
 
 def reference(q, k, v, *, scale: float, softcap: float | None = None, causal: bool = False,

@@ -196,9 +196,11 @@ def _flex(run, node: fx.Node, call: Call, r: int, replace) -> bool:
 
     qv = ir.example_value(call.q)
     scale = call.scale if call.scale is not None else qv.shape[-1] ** -0.5
+    spec, blocks = _full_blocks(run, qv.shape[2], ir.example_value(call.k).shape[2], qv)
     with run.gm.graph.inserting_before(node):
-        out = ir.emit(run.gm.graph, flex_masked_sdpa, (call.q, call.k, call.v, call.mask), {"scale": scale},
-                      like=node, fake_fn=lambda q, *_, **__: torch.empty_like(q, memory_format=torch.contiguous_format))
+        out = ir.emit(run.gm.graph, flex_masked_sdpa, (call.q, call.k, call.v, call.mask, blocks),
+                      {"scale": scale, "block_spec": spec}, like=node,
+                      fake_fn=lambda q, *_, **__: torch.empty_like(q, memory_format=torch.contiguous_format))
     replace(run, node, out, f"grouped-query attention as FlexAttention ({r} query heads a key/value head, over k "
                             "and v as they are: no repeat_kv copy; at query lengths under 128 on CUDA, Inductor's "
                             "decoding kernel, which splits the keys across blocks)", None)
@@ -247,3 +249,22 @@ def unpack(graph: fx.Graph, out: fx.Node, call: Call, r: int, like: fx.Node) -> 
     t = ir.example_value(call.q).shape[2]
     rows = ir.emit(graph, torch.unflatten, (out, 2, (r, t)), like=like)  # [B, KVH, r, T, D]
     return ir.emit(graph, torch.flatten, (rows, 1, 2), like=like)
+
+
+def _full_blocks(run, t: int, s: int, qv: torch.Tensor) -> tuple[tuple, tuple[fx.Node, ...]]:
+    """The full block mask of a t x s attention as the graph's constants, computed once a graph and size (every
+    layer's call reads the same): its spec and get_attr nodes (kernels/flex_attention.py, ``full_blocks``)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from kpt_compiler.kernels.flex_attention import full_blocks
+
+    cache = run.__dict__.setdefault("flex_blocks", {})
+    if (t, s) not in cache:
+        graph = run.gm.graph
+        with unset_fake_temporarily():
+            spec, tensors = full_blocks(t, s, qv.device)
+        with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
+            nodes = tuple(ir.add_constant(run.gm, f"_kpt_flex_blocks_{t}x{s}_{i}", x, qv.fake_mode)
+                          for i, x in enumerate(tensors))
+        cache[t, s] = spec, nodes
+    return cache[t, s]
