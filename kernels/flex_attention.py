@@ -141,8 +141,13 @@ def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 def _sdpa_flops(q, k, v, mask=None, blocks=(), **_):
-    """What torch's FLOP counter cannot run (the higher-order op under it, torch 2.11-2.13) counted as SDPA's."""
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
+    """What torch's FLOP counter cannot run (the higher-order op under it, torch 2.11-2.13) counted as SDPA's
+    over k and v repeated to the query's heads (the counter's SDPA formulas take no grouped-query shapes on CUDA;
+    under fake tensors the repeat costs nothing)."""
+    b, kvh, s, d = k.shape
+    r = q.shape[1] // kvh
+    k, v = (x[:, :, None].expand(b, kvh, r, s, x.shape[-1]).reshape(b, kvh * r, s, x.shape[-1]) for x in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
 
 
 flex_sdpa.flop_standin = flex_masked_sdpa.flop_standin = _sdpa_flops

@@ -177,3 +177,12 @@ def test_the_cudagraphs_estimate_counts_the_flexattention_form_as_the_sdpa_call_
     assert any("flex_masked_sdpa" in str(n.target) for n in gm.graph.nodes)
     with sdpa_kernel(SDPBackend.MATH):
         assert cg.estimate(gm)[0] == before > 0
+
+
+def test_the_flop_stand_in_gives_sdpa_the_query_heads_in_k_and_v(monkeypatch):
+    # torch 2.11's FLOP formula for SDPA's fused CUDA ops asserts that q, k and v have the same heads (H200, s34)
+    seen = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: seen.append((q, k, v)) or q)
+    q, k = torch.randn(B, 4 * KVH, 1, D), torch.randn(B, KVH, L, D)
+    flex_masked_sdpa.flop_standin(q, k, k, None, scale=0.25)
+    assert [t.shape for t in seen[0]] == [q.shape, (B, 4 * KVH, L, D), (B, 4 * KVH, L, D)]
