@@ -52,10 +52,9 @@ LOCAL_SETS = {"cudagraphs-always": {"cudagraphs": {"decide": "always"}},  # not 
               "fp4-no-pack-gqa": {"fp4": {"decide": "always"}, "attention": {"pack_gqa": False}},
               "no-pack-gqa": {"attention": {"pack_gqa": False}},  # grouped-query SDPA over repeat_kv's copies
               "attention-always": {"attention": {"decide": "always"}},  # packed below the SMs' pair threshold too
-              # grouped-query attention at small query lengths as SDPA over the packed query, not FlexAttention
-              "gqa-sdpa": {"attention": {"gqa_kernel": "sdpa"}},
-              "fp4-gqa-sdpa": {"fp4": {"decide": "always"}, "attention": {"gqa_kernel": "sdpa"}},
-              "gqa-sdpa-always": {"attention": {"gqa_kernel": "sdpa", "decide": "always"}}}
+              # grouped-query attention at small query lengths as FlexAttention over k and v as they are
+              "gqa-flex": {"attention": {"gqa_kernel": "flex"}},
+              "fp4-gqa-flex": {"fp4": {"decide": "always"}, "attention": {"gqa_kernel": "flex"}}}
 DEFAULT_MODES = "eager,inductor,inductor-ro,kpt,kpt[no-cudagraphs],kpt[ro],kpt[cudagraphs-always]"
 NEEDS_CUDA = ("inductor-ro", "kpt[ro]", "kpt[cudagraphs-always]")
 FULL = dict(num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,

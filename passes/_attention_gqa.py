@@ -101,16 +101,17 @@ def _few_pairs(run, kv: fx.Node) -> str | None:
     kernels run a block per pair and query tile and do not split the keys: packed, a batch of one has KVH blocks
     where the repeated call had H. On an H200 (s33, bench_decode --step, 2000-token prompt) 8 pairs were 9%
     slower than the copies (1.590 against 1.457 ms a step at batch 1) and 128 pairs 1.83x faster (2.101 against
-    3.839 at batch 16); under half the SMs the pass leaves the call as it is (between the two, not measured).
-    Not under decide="always"; under "measure" the gate times the packed call against ``WithCopies``."""
+    3.839 at batch 16); s34: 16 pairs 15% slower (1.859 against 1.619, batch 2), 32 pairs 7% faster (1.875
+    against 2.017, batch 4). Under a fifth of the SMs the pass leaves the call as it is (between 16 and 32 pairs
+    on 132 SMs). Not under decide="always"; under "measure" the gate times the packed call against ``WithCopies``."""
     target = run.ctx.target
     if not target.is_cuda or not target.multiprocessors:
         return None
     b, kvh = ir.example_value(kv).shape[:2]
     if not isinstance(b, int):
         return "a dynamic batch: the blocks the packed call would have are not known"
-    if 2 * b * kvh < target.multiprocessors:
-        return f"{b} x {kvh} (batch, key/value head) pairs, under half of the GPU's {target.multiprocessors} SMs"
+    if 5 * b * kvh < target.multiprocessors:
+        return f"{b} x {kvh} (batch, key/value head) pairs, under a fifth of the GPU's {target.multiprocessors} SMs"
     return None
 
 
@@ -182,15 +183,16 @@ def _flex_why_not(run, call: Call, r: int) -> str | None:
 
 def _flex(run, node: fx.Node, call: Call, r: int, replace) -> bool:
     """Replace ``node`` by FlexAttention over k and v as they are (``call``: the un-repeated k and v), where the
-    option asks for it (``gqa_kernel``: "flex"; "auto": on CUDA) and it applies; else False (then packed SDPA)."""
-    choice = run.ctx.options.gqa_kernel
-    if choice == "sdpa" or choice == "auto" and not run.ctx.target.is_cuda:
+    option asks for it (``gqa_kernel="flex"``) and it applies; else False (then packed SDPA). Not the default: on
+    an H200 (s34, bench_decode --step, batch 1, 16-token prompt, captured) the step was as fast as packed SDPA's
+    (1.271 against 1.248 ms; fp4 0.690 against 0.696), and at long prompts it has not been timed under a CUDA
+    graph (docs/attention.md)."""
+    if run.ctx.options.gqa_kernel != "flex":
         return False
     why = _flex_why_not(run, call, r)
     if why:
-        if choice == "flex" or run.ctx.target.is_cuda:
-            run.ctx.near_miss(f"{node.name}: k and v are repeat_kv's copies; FlexAttention's decoding form is not "
-                              f"made: {why}")
+        run.ctx.near_miss(f"{node.name}: k and v are repeat_kv's copies; FlexAttention's decoding form is not made: "
+                          f"{why}")
         return False
     from kpt_compiler.kernels.flex_attention import flex_masked_sdpa
 

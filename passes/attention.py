@@ -71,8 +71,8 @@ class AttentionOptions:
     decide: Literal["auto", "measure", "always"] = "auto"
     # SDPA over repeat_kv's copies at query lengths up to 64 runs over the key/value heads (passes/_attention_gqa.py)
     pack_gqa: bool = True
-    # ... as FlexAttention's decoding kernel ("flex") or SDPA over the packed query ("sdpa"); "auto": flex on CUDA
-    gqa_kernel: Literal["auto", "flex", "sdpa"] = "auto"
+    # ... as SDPA over the packed query ("sdpa") or FlexAttention over k and v as they are ("flex", opt-in for now)
+    gqa_kernel: Literal["sdpa", "flex"] = "sdpa"
 
     def __post_init__(self):
         if self.min_seq_len < 1:

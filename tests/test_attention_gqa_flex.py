@@ -84,21 +84,20 @@ def test_what_flexattention_cannot_take_is_a_near_miss_and_left_to_packing(why, 
     assert rec.stats.get("gqa_packed", 0) == int(not causal), rec.notes  # the packed SDPA form instead
 
 
-def test_auto_takes_flexattention_on_cuda_and_packed_sdpa_on_the_cpu(monkeypatch):
+def test_the_default_is_packed_sdpa_on_cuda_too_and_flexattention_on_request(monkeypatch):
+    # FlexAttention's form is opt-in until it is timed under a CUDA graph at long prompts (docs/attention.md)
     import kpt_compiler.backend as backend_module
     from kpt_compiler.passes import _attention_gate as gate
     from kpt_compiler.target import Target
 
+    card = Target("cuda", "NVIDIA H200", (9, 0), multiprocessors=8)
+    monkeypatch.setattr(backend_module, "detect_target", lambda *a, **k: card)
+    monkeypatch.setattr(gate, "backend", lambda call, device, order: "CUDNN_ATTENTION")
     mask = _keep((B, 1, 1, L), 1)
     rec, _ = _run(4, 1, mask, train=False, options={"attention": {}})
     assert rec.stats["gqa_packed"] == 1 and not rec.stats.get("gqa_flex"), rec.notes
-    card = Target("cuda", "NVIDIA H200", (9, 0), multiprocessors=132)
-    monkeypatch.setattr(backend_module, "detect_target", lambda *a, **k: card)
-    monkeypatch.setattr(gate, "backend", lambda call, device, order: "CUDNN_ATTENTION")
-    rec, _ = _run(4, 1, mask, train=False, options={"attention": {}})
-    assert rec.stats.get("gqa_flex") == 1 and not rec.stats.get("gqa_packed"), rec.notes
-    rec, _ = _run(4, 1, mask, train=False, options={"attention": {"gqa_kernel": "sdpa"}})
-    assert not rec.stats.get("gqa_flex"), rec.notes  # sdpa: the pair rule instead (2 x 2 pairs: left as it is)
+    rec, _ = _run(4, 1, mask, train=False)
+    assert rec.stats["gqa_flex"] == 1 and not rec.stats.get("gqa_packed"), rec.notes
 
 
 def test_a_dynamic_batch_is_left_to_packing():

@@ -273,11 +273,11 @@ def test_a_decode_steps_grouped_query_sdpa_is_packed_where_the_gpu_has_pairs_eno
         kr, vr = (x[:, :, None].expand(batch, 8, 4, length, 128).reshape(batch, 32, length, 128) for x in (k, v))
         return F.scaled_dot_product_attention(q, kr, vr, attn_mask=keep, scale=128 ** -0.5)
 
-    torch._dynamo.reset()  # the packed SDPA form (gqa_kernel="sdpa"; "auto" takes FlexAttention on CUDA, below)
-    out = torch.compile(fn, backend="kernelpytorch", options={"attention": {"gqa_kernel": "sdpa"}})(q, k, v, keep)
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend="kernelpytorch")(q, k, v, keep)
     rec = kpt_compiler.last_report().pass_record("attention")
     if batch == 1:
-        assert not rec.stats.get("gqa_packed") and any("pairs, under half" in n for n in rec.notes), rec.notes
+        assert not rec.stats.get("gqa_packed") and any("pairs, under a fifth" in n for n in rec.notes), rec.notes
     else:
         assert rec.stats.get("gqa_packed") == 1 and any("SDPA runs its" in n for n in rec.notes), rec.notes
     ref = fn(*(x.double() for x in (q, k, v)), keep)
@@ -287,8 +287,8 @@ def test_a_decode_steps_grouped_query_sdpa_is_packed_where_the_gpu_has_pairs_eno
 @pytest.mark.parametrize("batch, t, length, additive", [(1, 1, 80, False), (1, 1, 4096, True), (16, 1, 2080, False),
                                                         (4, 4, 300, False)])
 def test_a_decode_steps_grouped_query_sdpa_runs_as_flexattention_under_inductor(batch, t, length, additive):
-    # by default on CUDA (gqa_kernel="auto"): FlexAttention over k and v as they are, Inductor's decoding kernel
-    # at query lengths under 128; a padding mask (boolean or additive, bf16), one or a few query positions
+    # gqa_kernel="flex": FlexAttention over k and v as they are, Inductor's decoding kernel at query lengths under
+    # 128; a padding mask (boolean or additive, bf16), one or a few query positions
     import torch.nn.functional as F
 
     g = torch.Generator(device="cuda").manual_seed(length + t)
@@ -304,7 +304,7 @@ def test_a_decode_steps_grouped_query_sdpa_runs_as_flexattention_under_inductor(
 
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch.compile(fn, backend="kernelpytorch")(q, k, v, mask)
+        out = torch.compile(fn, backend="kernelpytorch", options={"attention": {"gqa_kernel": "flex"}})(q, k, v, mask)
     rec = kpt_compiler.last_report().pass_record("attention")
     assert rec.stats.get("gqa_flex") == 1 and not rec.stats.get("gqa_packed"), rec.notes
     ref = fn(*(x.double() for x in (q, k, v)), mask.double() if additive else mask)
