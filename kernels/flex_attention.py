@@ -86,15 +86,19 @@ def flex_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
 
 
 def _dense_mask_score_mod(boolean: bool, per_head: bool):
-    """score_mod reading a dense [B, H or 1, T, S] mask: boolean keeps where true, floating is added."""
+    """score_mod reading a dense mask, [B, H, T, S] per head, else [B, T, S] (indexed by tensors alone: torch 2.9's
+    eager FlexAttention cannot take an int among them): boolean keeps where true, floating is added."""
+    def value(mask, b, h, q_idx, kv_idx):
+        return mask[b, h, q_idx, kv_idx] if per_head else mask[b, q_idx, kv_idx]
+
     if boolean:
         def keep(score, b, h, q_idx, kv_idx, mask):
-            return torch.where(mask[b, h if per_head else 0, q_idx, kv_idx], score, -math.inf)
+            return torch.where(value(mask, b, h, q_idx, kv_idx), score, -math.inf)
 
         return keep
 
     def add(score, b, h, q_idx, kv_idx, mask):
-        return score + mask[b, h if per_head else 0, q_idx, kv_idx].to(score.dtype)
+        return score + value(mask, b, h, q_idx, kv_idx).to(score.dtype)
 
     return add
 
@@ -116,7 +120,7 @@ def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
     q [B, Hq, T, D]; k and v [B, Hkv, S, D] with Hq a multiple of Hkv: query head h reads key/value head
     h // (Hq // Hkv) (SDPA's ``enable_gqa``), so k and v are read as they are, never repeated. The mask is a
-    score_mod buffer, broadcast to [B, 1 or Hq, T, S] (a view), and the block mask is full. Under Inductor, at
+    score_mod buffer, broadcast to [B, Hq, T, S] or [B, T, S] (a view), and the block mask is full. Under Inductor, at
     query lengths under 128 with static batch and heads and a power-of-two head ratio, this is Inductor's
     FlexAttention decoding kernel: it splits the keys across blocks and runs a key/value head's query heads in
     one block (passes/_attention_gqa.py uses it for decode steps). ``blocks`` and ``block_spec``: the full block
@@ -128,7 +132,7 @@ def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
         per_head = mask.shape[1] != 1
-        mask = mask.expand(b, hq if per_head else 1, t, s)
+        mask = mask.expand(b, hq, t, s) if per_head else mask.expand(b, 1, t, s)[:, 0]
         score_mod, buffers = _dense_mask_score_mod(mask.dtype == torch.bool, per_head), (mask,)
     if block_spec is None:
         block = create_block_mask(noop_mask, None, None, t, s, device=q.device).as_tuple()

@@ -95,7 +95,7 @@ def test_the_default_is_packed_sdpa_on_cuda_too_and_flexattention_on_request(mon
     monkeypatch.setattr(gate, "backend", lambda call, device, order: "CUDNN_ATTENTION")
     mask = _keep((B, 1, 1, L), 1)
     rec, _ = _run(4, 1, mask, train=False, options={"attention": {}})
-    assert rec.stats["gqa_packed"] == 1 and not rec.stats.get("gqa_flex"), rec.notes
+    assert rec.stats.get("gqa_packed") == 1 and not rec.stats.get("gqa_flex"), rec.notes
     rec, _ = _run(4, 1, mask, train=False)
     assert rec.stats["gqa_flex"] == 1 and not rec.stats.get("gqa_packed"), rec.notes
 
@@ -113,9 +113,11 @@ def test_a_dynamic_batch_is_left_to_packing():
         q, kv = torch.randn(b, 2 * KVH, 1, D, generator=g), torch.randn(b, KVH, length, D, generator=g)
         mask = torch.rand(b, 1, 1, length, generator=g) > 0.2
         mask[..., 0] = True
+        for x in (q, kv, mask):  # dynamic from the first call (torch 2.9 under pytest kept recompiling statically)
+            torch._dynamo.mark_dynamic(x, 0)
         assert relative_error(compiled(q, kv, mask), fn(q.double(), kv.double(), mask)) < 1e-5
     rec = kpt_compiler.last_report().pass_record("attention")
-    assert rec.stats["gqa_packed"] == 1 and not rec.stats.get("gqa_flex"), rec.notes
+    assert rec.stats.get("gqa_packed") == 1 and not rec.stats.get("gqa_flex"), rec.notes
     assert any("not made: dynamic shapes" in n for n in rec.notes), rec.notes
 
 
