@@ -29,11 +29,13 @@ def _attend(mask_shape=None, causal=False, unsqueeze=False):
     return fn
 
 
-def _run(fn, t, mask, train=True):
+def _run(fn, t, mask, train=True, heads=KVH * R, options=None):
     g = torch.Generator().manual_seed(t)
-    q = torch.randn(B, KVH * R, t, D, generator=g).requires_grad_(train)
+    q = torch.randn(B, heads, t, D, generator=g).requires_grad_(train)
     k, v = (torch.randn(B, KVH, L, D, generator=g).requires_grad_(train) for _ in range(2))
-    out = torch.compile(fn, backend="kernelpytorch", options={"codegen": "eager", "fusion": False})(q, k, v, mask)
+    torch._dynamo.reset()  # the same code object with other options: compile again
+    out = torch.compile(fn, backend="kernelpytorch", options={"codegen": "eager", "fusion": False, **(options or {})})(
+        q, k, v, mask)
     ref_in = [x.detach().double().requires_grad_(train) for x in (q, k, v)]
     ref = fn(*ref_in, mask.double() if mask is not None and mask.is_floating_point() else mask)
     assert relative_error(out, ref) < 1e-5
@@ -105,7 +107,8 @@ def test_a_repeat_of_one_is_not_a_repeat():
     assert _attention_gqa.repeated(r) == (x, 3)
 
 
-def test_greedy_decoding_of_a_grouped_query_llama_is_packed_and_unchanged():
+@pytest.mark.parametrize("attention, made", [({}, "gqa_packed"), ({"gqa_kernel": "flex"}, "gqa_flex")])
+def test_greedy_decoding_of_a_grouped_query_llama_is_packed_and_unchanged(attention, made):
     # transformers' static-cache decode under torch.compile repeats k and v (it packs only eagerly): the decode
     # graph's calls are packed, and greedy tokens equal eager's
     pytest.importorskip("transformers")
@@ -118,14 +121,15 @@ def test_greedy_decoding_of_a_grouped_query_llama_is_packed_and_unchanged():
     with torch.no_grad():
         want = model.generate(ids, **args)
         forward = model.forward
-        model.forward = torch.compile(forward, backend="kernelpytorch", options={"codegen": "eager"})
+        model.forward = torch.compile(forward, backend="kernelpytorch",
+                                      options={"codegen": "eager", "attention": attention})
         try:
             got = model.generate(ids, **args)
         finally:
             model.forward = forward
     assert torch.equal(got, want)
     rec = kpt_compiler.last_report().pass_record("attention")
-    assert rec.stats["gqa_packed"] == bench_decode.TINY["num_hidden_layers"], rec.notes
+    assert rec.stats[made] == bench_decode.TINY["num_hidden_layers"], rec.notes  # (or FlexAttention's form)
 
 
 @pytest.mark.parametrize("sms, packed", [(132, False), (8, True)])

@@ -10,7 +10,8 @@ import kpt_compiler
 from kpt_compiler.bench import relative_error
 from kpt_compiler.kernels.flex_attention import flex_masked_sdpa
 
-B, KVH, L, D = 2, 2, 11, 16
+import test_attention_gqa
+from test_attention_gqa import B, D, KVH, L
 
 
 def repeat_kv(x, n_rep):  # transformers' spelling
@@ -26,24 +27,8 @@ def _attend(r, causal=False):
 
 
 def _run(r, t, mask, train=True, options=None, causal=False):
-    fn = _attend(r, causal)
-    g = torch.Generator().manual_seed(t)
-    q = torch.randn(B, KVH * r, t, D, generator=g).requires_grad_(train)
-    k, v = (torch.randn(B, KVH, L, D, generator=g).requires_grad_(train) for _ in range(2))
-    opts = {"codegen": "eager", "fusion": False, "attention": {"gqa_kernel": "flex"}}
-    opts.update(options or {})
-    torch._dynamo.reset()  # the same code object with other options: compile again
-    out = torch.compile(fn, backend="kernelpytorch", options=opts)(q, k, v, mask)
-    ref_in = [x.detach().double().requires_grad_(train) for x in (q, k, v)]
-    ref = fn(*ref_in, mask.double() if mask is not None and mask.is_floating_point() else mask)
-    assert relative_error(out, ref) < 1e-5
-    if train:
-        out.square().sum().backward()
-        ref.square().sum().backward()
-        for x, want in zip((q, k, v), ref_in):
-            assert relative_error(x.grad, want.grad) < 1e-5
-    report = kpt_compiler.last_report()
-    return report.pass_record("attention"), report.stages["pre_aot"].ops_after
+    opts = {"attention": {"gqa_kernel": "flex"}, **(options or {})}
+    return test_attention_gqa._run(_attend(r, causal), t, mask, train, heads=KVH * r, options=opts)
 
 
 def _keep(shape, t):
@@ -131,27 +116,6 @@ def test_flex_masked_sdpa_is_sdpa_with_the_mask(shape):
     for m in masks:
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.25, enable_gqa=True)
         assert relative_error(flex_masked_sdpa(q, k, v, m, scale=0.25), want) < 1e-10
-
-
-def test_greedy_decoding_of_a_grouped_query_llama_with_flexattention_is_unchanged():
-    pytest.importorskip("transformers")
-    from benchmarks import bench_decode
-
-    model = bench_decode.build_model(bench_decode.TINY, "cpu", torch.float32)
-    ids = torch.randint(0, bench_decode.TINY["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(0))
-    args = dict(max_new_tokens=5, do_sample=False, cache_implementation="static")
-    with torch.no_grad():
-        want = model.generate(ids, **args)
-        forward = model.forward
-        model.forward = torch.compile(forward, backend="kernelpytorch",
-                                      options={"codegen": "eager", "attention": {"gqa_kernel": "flex"}})
-        try:
-            got = model.generate(ids, **args)
-        finally:
-            model.forward = forward
-    assert torch.equal(got, want)
-    rec = kpt_compiler.last_report().pass_record("attention")
-    assert rec.stats["gqa_flex"] == bench_decode.TINY["num_hidden_layers"], rec.notes
 
 
 def _window(q, k, v, mask):  # a constant sliding window: the attention pass's flex_sdpa form
