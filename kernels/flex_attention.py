@@ -16,9 +16,11 @@ computed the bias in, so the bias added is the model's),
 the allowed set its ``mask_mod``, and the block mask built from it skips every block with nothing allowed
 (above the diagonal; outside the window), which a dense SDPA mask cannot. Inside a graph, AOTAutograd traces
 the two functions into subgraphs and Inductor generates fused Triton kernels for the forward and the backward
-(the op's own autograd); run eagerly, the op computes the same thing unfused. The block mask is built in the
-call, so in a graph it is a few small ops on constants rather than tensors the graph would have to take as
-inputs. The attention pass inserts it (passes/attention.py); ``reference`` is the unfused math.
+(the op's own autograd); run eagerly, the op computes the same thing unfused. ``flex_sdpa`` builds its block
+mask in the call, so in a graph it is a few small ops on constants rather than tensors the graph would have to
+take as inputs; ``flex_masked_sdpa`` (a dense mask from the inputs, grouped-query heads) takes its full block
+mask as the graph's constants. The attention pass inserts both (passes/attention.py, passes/_attention_gqa.py);
+``reference`` is the unfused math.
 """
 
 from __future__ import annotations
@@ -118,13 +120,13 @@ def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      ) -> torch.Tensor:
     """SDPA with ``attn_mask=mask`` (boolean: keep where true; floating: added to the scores), as FlexAttention.
 
-    q [B, Hq, T, D]; k and v [B, Hkv, S, D] with Hq a multiple of Hkv: query head h reads key/value head
-    h // (Hq // Hkv) (SDPA's ``enable_gqa``), so k and v are read as they are, never repeated. The mask is a
-    score_mod buffer, broadcast to [B, Hq, T, S] or [B, T, S] (a view), and the block mask is full. Under Inductor, at
-    query lengths under 128 with static batch and heads and a power-of-two head ratio, this is Inductor's
-    FlexAttention decoding kernel: it splits the keys across blocks and runs a key/value head's query heads in
-    one block (passes/_attention_gqa.py uses it for decode steps). ``blocks`` and ``block_spec``: the full block
-    mask from ``full_blocks`` (else it is built here).
+    q [B, Hq, T, D]; k and v [B, Hkv, S, D] with Hq a multiple of Hkv: query head h reads key/value head h // (Hq //
+    Hkv) (SDPA's ``enable_gqa``), so k and v are read as they are, never repeated. The mask is a score_mod buffer,
+    broadcast to [B, Hq, T, S] or [B, T, S] (a view), and the block mask is full. Under Inductor, at query lengths
+    under 128 with static batch and heads and a power-of-two head ratio, this is Inductor's FlexAttention decoding
+    kernel: it splits the keys across blocks and runs a key/value head's query heads in one block
+    (passes/_attention_gqa.py uses it for decode steps under ``gqa_kernel='flex'``). ``blocks`` and ``block_spec``:
+    the full block mask from ``full_blocks`` (else it is built here).
     """
     b, hq, t, _ = q.shape
     s = k.shape[-2]

@@ -16,6 +16,10 @@ Here, for any query length T up to ``MAX_QUERY``, in the graph::
 Row j * T + t of a packed head is query head kvh * r + j at position t, which read key/value head kvh: the same
 sums, in another kernel's order. The mask must be the same for every head (its head dimension 1); a causal flag
 (positions counted from the first query row), dropout or ``enable_gqa`` leave the call as it is.
+
+With ``gqa_kernel="flex"`` (opt-in; it needs ``pack_gqa`` on) the call becomes FlexAttention over the query as it
+is and k and v un-repeated instead (kernels/flex_attention.py, ``flex_masked_sdpa``: a mask per head is fine
+there), where ``_flex_why_not`` finds nothing against it; else packed SDPA as above.
 """
 
 from __future__ import annotations
@@ -172,6 +176,8 @@ def _flex_why_not(run, call: Call, r: int) -> str | None:
         return "dynamic shapes (the decoding kernel needs a static batch and heads)"
     if r & (r - 1) or q.shape[1] != k.shape[1] * r or q.shape[-1] != v.shape[-1]:
         return f"{q.shape[1]} query heads over {k.shape[1]} key/value heads: not a power-of-two ratio"
+    if min(q.shape[-1], v.shape[-1]) < 16:
+        return f"a head size of {min(q.shape[-1], v.shape[-1])}: Inductor's FlexAttention needs 16 or more"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return "q, k and v not of one floating dtype"
     if m is not None and m.dtype != torch.bool and not m.dtype.is_floating_point:
@@ -184,9 +190,9 @@ def _flex_why_not(run, call: Call, r: int) -> str | None:
 def _flex(run, node: fx.Node, call: Call, r: int, replace) -> bool:
     """Replace ``node`` by FlexAttention over k and v as they are (``call``: the un-repeated k and v), where the
     option asks for it (``gqa_kernel="flex"``) and it applies; else False (then packed SDPA). Not the default: on
-    an H200 (s34, bench_decode --step, batch 1, 16-token prompt, captured) the step was as fast as packed SDPA's
-    (1.271 against 1.248 ms; fp4 0.690 against 0.696), and at long prompts it has not been timed under a CUDA
-    graph (docs/attention.md)."""
+    an H200 (s34, bench_decode --step, batch 1, 16-token prompt, captured) the step was as fast as the default's
+    (repeat_kv's copies and cuDNN SDPA at 8 pairs: 1.271 against 1.248 ms; fp4 0.690 against 0.696), and at long
+    prompts it has not been timed under a CUDA graph (docs/attention.md)."""
     if run.ctx.options.gqa_kernel != "flex":
         return False
     why = _flex_why_not(run, call, r)
@@ -260,13 +266,13 @@ def _full_blocks(run, t: int, s: int, qv: torch.Tensor) -> tuple[tuple, tuple[fx
 
     from kpt_compiler.kernels.flex_attention import full_blocks
 
-    cache = run.__dict__.setdefault("flex_blocks", {})
-    if (t, s) not in cache:
-        graph = run.gm.graph
+    cache, key = run.__dict__.setdefault("flex_blocks", {}), (t, s, qv.device)
+    if key not in cache:
+        graph, where = run.gm.graph, str(qv.device).replace(":", "")
         with unset_fake_temporarily():
             spec, tensors = full_blocks(t, s, qv.device)
         with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
-            nodes = tuple(ir.add_constant(run.gm, f"_kpt_flex_blocks_{t}x{s}_{i}", x, qv.fake_mode)
+            nodes = tuple(ir.add_constant(run.gm, f"_kpt_flex_blocks_{t}x{s}_{where}_{i}", x, qv.fake_mode)
                           for i, x in enumerate(tensors))
-        cache[t, s] = spec, nodes
-    return cache[t, s]
+        cache[key] = spec, nodes
+    return cache[key]

@@ -69,6 +69,57 @@ def test_what_flexattention_cannot_take_is_a_near_miss_and_left_to_packing(why, 
     assert rec.stats.get("gqa_packed", 0) == int(not causal), rec.notes  # the packed SDPA form instead
 
 
+def test_a_head_size_under_16_is_left_to_packing():
+    # Inductor's FlexAttention lowering raises on CUDA under 16 (torch/_inductor/kernel/flex/flex_attention.py)
+    def fn(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 2), repeat_kv(v, 2), attn_mask=mask)
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(B, 2 * KVH, 1, 8, generator=g), *(torch.randn(B, KVH, L, 8, generator=g) for _ in range(2))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="kernelpytorch",
+                             options={"codegen": "eager", "fusion": False, "attention": {"gqa_kernel": "flex"}})
+    mask = _keep((B, 1, 1, L), 1)
+    assert relative_error(compiled(q, k, v, mask), fn(q.double(), k.double(), v.double(), mask)) < 1e-5
+    rec = kpt_compiler.last_report().pass_record("attention")
+    assert rec.stats.get("gqa_packed") == 1 and not rec.stats.get("gqa_flex"), rec.notes
+    assert any("a head size of 8: Inductor's FlexAttention needs 16 or more" in n for n in rec.notes), rec.notes
+
+
+def test_the_block_mask_is_the_graphs_constants_once_a_size_and_the_scale_sdpas_default():
+    # three calls, two of one size: one set of constants a size (not built in each call); no scale given
+    from kpt_compiler.passes import attention
+    from kpt_compiler.registry import PassContext
+    from kpt_compiler.target import Target
+
+    import test_cudagraphs
+
+    def fn(q, q3, k, v, mask, mask3):
+        kr, vr = repeat_kv(k, 4), repeat_kv(v, 4)
+        one = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+        two = F.scaled_dot_product_attention(q * 2, kr, vr, attn_mask=mask)
+        return one + two, F.scaled_dot_product_attention(q3, kr, vr, attn_mask=mask3)
+
+    g = torch.Generator().manual_seed(0)
+    q, q3 = torch.randn(B, 4 * KVH, 1, D, generator=g), torch.randn(B, 4 * KVH, 3, D, generator=g)
+    k, v = (torch.randn(B, KVH, L, D, generator=g) for _ in range(2))
+    inputs = (q, q3, k, v, _keep((B, 1, 1, L), 1), _keep((B, 1, 3, L), 3))
+    gm = test_cudagraphs._graph(fn, *inputs)
+    ctx = PassContext(options=attention.AttentionOptions(gqa_kernel="flex"), target=Target("cpu", "cpu"),
+                      stage="pre_aot", is_inference=True, mode="default", codegen="eager")
+    assert attention.fuse_attention(gm, ctx) and ctx.stats["gqa_flex"] == 3, ctx.notes
+    gm.recompile()
+    consts = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+    per_size = {size: [c for c in consts if c.startswith(f"_kpt_flex_blocks_{size}_cpu_")]
+                for size in ("1x11", "3x11")}
+    assert len(per_size["1x11"]) == len(per_size["3x11"]) > 0 and len(consts) == 2 * len(per_size["1x11"]), consts
+    assert not any("block_mask" in str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    by_name = dict(zip(("q", "q3", "k", "v", "mask", "mask3"), inputs))  # Dynamo's inputs in the order it read them
+    got = gm(*(by_name[n.name.removeprefix("l_").removesuffix("_")] for n in gm.graph.nodes if n.op == "placeholder"))
+    want = fn(*(x.double() if x.is_floating_point() else x for x in inputs))
+    assert all(relative_error(a, b) < 1e-5 for a, b in zip(got, want))
+
+
 def test_the_default_is_packed_sdpa_on_cuda_too_and_flexattention_on_request(monkeypatch):
     # FlexAttention's form is opt-in until it is timed under a CUDA graph at long prompts (docs/attention.md)
     import kpt_compiler.backend as backend_module

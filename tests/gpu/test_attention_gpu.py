@@ -260,7 +260,7 @@ def test_a_decode_steps_grouped_query_sdpa_is_packed_where_the_gpu_has_pairs_eno
     # passes/_attention_gqa.py under Inductor on the GPU: one token, 32 query heads over 8 key/value heads (Llama's
     # ratio) through repeat_kv with a padding mask, as transformers' static cache writes it under torch.compile.
     # At batch 16 (128 pairs) the gate takes the packed call (a fused backend for it); at batch 1 (8 pairs, under
-    # half the SMs) it is left as it was, and the report says why. Either way it agrees with eager in bf16
+    # a fifth of the SMs) it is left as it was, and the report says why. Either way it agrees with eager in bf16
     import torch.nn.functional as F
 
     g = torch.Generator(device="cuda").manual_seed(length)
