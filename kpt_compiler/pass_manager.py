@@ -46,9 +46,15 @@ def _source_hash(paths: list[str]) -> str:
 
 
 def _package_sources() -> list[str]:
+    """Every .py and .json file of the package, its passes and kernels included: in an editable install those
+    live beside kpt_compiler/ (pyproject's package-dir), not under it, and a pass's helper modules (its kernels,
+    its _private modules) change what it emits as much as its own file does."""
+    from kpt_compiler import kernels, passes
+
     out = []
-    for base, _dirs, files in os.walk(_PACKAGE_ROOT):
-        out += [os.path.join(base, f) for f in files if f.endswith((".py", ".json"))]
+    for root in {_PACKAGE_ROOT, *passes.__path__, *kernels.__path__}:
+        for base, _dirs, files in os.walk(root):
+            out += [os.path.join(base, f) for f in files if f.endswith((".py", ".json"))]
     return out
 
 

@@ -164,6 +164,20 @@ def test_a_changed_pass_source_changes_the_fingerprint(tmp_path, monkeypatch):
         unregister_pass("test-edited-pass")
 
 
+def test_the_fingerprint_reads_the_passes_helpers_and_kernels_too():
+    # an editable install keeps passes/ and kernels/ beside kpt_compiler/: walking kpt_compiler/ alone left every
+    # helper module (passes/_attention_gqa.py, kernels/flex_attention.py, ...) out, so editing one hit the cache
+    import os
+
+    from kpt_compiler.kernels import flex_attention, fp4_linear
+    from kpt_compiler.pass_manager import _package_sources
+    from kpt_compiler.passes import _attention_gqa, _bucket_graphs
+
+    read = {os.path.abspath(p) for p in _package_sources()}
+    for module in (_attention_gqa, _bucket_graphs, flex_attention, fp4_linear):
+        assert os.path.abspath(module.__file__) in read, module.__name__
+
+
 class _Kernel:
     """Stands for a @triton.jit function: the cache reads only its name and cache key."""
 
