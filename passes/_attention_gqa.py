@@ -266,7 +266,7 @@ def _full_blocks(run, t: int, s: int, qv: torch.Tensor) -> tuple[tuple, tuple[fx
 
     from kpt_compiler.kernels.flex_attention import full_blocks
 
-    cache, key = run.__dict__.setdefault("flex_blocks", {}), (t, s, qv.device)
+    cache, key = run.flex_blocks, (t, s, qv.device)
     if key not in cache:
         graph, where = run.gm.graph, str(qv.device).replace(":", "")
         with unset_fake_temporarily():

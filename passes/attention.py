@@ -77,6 +77,8 @@ class AttentionOptions:
     def __post_init__(self):
         if self.min_seq_len < 1:
             raise ValueError(f"min_seq_len must be at least 1, got {self.min_seq_len}")
+        if self.gqa_kernel == "flex" and not self.pack_gqa:
+            raise ValueError("gqa_kernel='flex' rewrites the calls pack_gqa finds: it needs pack_gqa=True")
 
 
 def _supports(target, options) -> str | None:
@@ -145,14 +147,11 @@ class _Run:
     contiguous: dict = dataclasses.field(default_factory=dict)  # mask node -> its contiguous copy
     hidden_rows_noted: bool = False
     guard: provenance.Guard | None = None  # rewrites read from marked inputs hold for calls that pass them
-
     marks: dict = dataclasses.field(default_factory=dict)  # mask node -> provenance.marked(run, mask), once
+    flex_blocks: dict = dataclasses.field(default_factory=dict)  # (t, s, device) -> FlexAttention's block constants
 
     def marked(self, mask: fx.Node) -> dict:
         return provenance.marked(self, mask)
-
-
-# ---------------------------------------------------------------------------------------------- rewriting
 
 
 def _build_mask(graph: fx.Graph, masks: list, dtype: torch.dtype, like: fx.Node) -> fx.Node:

@@ -209,3 +209,9 @@ def test_the_flop_stand_in_gives_sdpa_the_query_heads_in_k_and_v(monkeypatch):
     q, k = torch.randn(B, 4 * KVH, 1, D), torch.randn(B, KVH, L, D)
     flex_masked_sdpa.flop_standin(q, k, k, None, scale=0.25)
     assert [t.shape for t in seen[0]] == [q.shape, (B, 4 * KVH, L, D), (B, 4 * KVH, L, D)]
+
+
+def test_asking_for_flexattention_without_packing_is_an_error_that_says_so():
+    with pytest.raises(kpt_compiler.OptionError, match="gqa_kernel='flex' .* needs pack_gqa=True"):
+        torch.compile(lambda x: x + 1, backend="kernelpytorch",
+                      options={"attention": {"gqa_kernel": "flex", "pack_gqa": False}})(torch.ones(2))
