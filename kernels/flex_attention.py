@@ -31,7 +31,7 @@ import torch
 from torch._higher_order_ops.flex_attention import flex_attention as flex_attention_hop
 from torch.nn.attention.flex_attention import _apply_kernel_options, create_block_mask, noop_mask
 
-__all__ = ["flex_sdpa", "flex_masked_sdpa", "reference"]
+__all__ = ["flex_sdpa", "flex_masked_sdpa", "reference", "split_kv"]
 
 
 def _mask_mod(causal: bool, window: int | None):
@@ -142,8 +142,23 @@ def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         tensors = iter(blocks)
         block = tuple(next(tensors) if x == "tensor" else x for x in block_spec) + (noop_mask,)
     kernel_options = _apply_kernel_options(q, k, v, False, None)
+    ratio = hq // k.shape[1]
+    if q.is_cuda and t < 128 and ratio & (ratio - 1) == 0 and all(isinstance(x, int) for x in (b, hq, s)):
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count  # Inductor's decoding kernel runs
+        kernel_options["SPLIT_KV"] = split_kv(s, b * k.shape[1], sms)
     out, *_ = flex_attention_hop(q, k, v, score_mod, block, scale, kernel_options, buffers)
     return out
+
+
+def split_kv(s: int, pairs: int, sms: int, block_n: int = 64) -> int:
+    """How many parts Inductor's FlexAttention decoding kernel splits s keys into: as many as its own rule (twice
+    the SMs over the (batch, key/value head) pairs, ``get_split_k`` in torch/_inductor/kernel/flex/
+    flex_decoding.py), but no more than the tiles of ``block_n`` keys its parts are rounded to fill. Its rule
+    ignores the length: at 80 keys, a batch of one and 8 key/value heads, 32 parts, 30 of them empty, and its
+    combine reads all 32; here 2. At 2080 keys its parts are 128 keys, 17 of them with work; here 17."""
+    parts = max(2 * (sms // max(pairs, 1)), 1)
+    tiles = max(-(-s // block_n), 1)
+    return -(-tiles // -(-tiles // parts))
 
 
 def _sdpa_flops(q, k, v, mask=None, blocks=(), **_):

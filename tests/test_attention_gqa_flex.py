@@ -215,3 +215,16 @@ def test_asking_for_flexattention_without_packing_is_an_error_that_says_so():
     with pytest.raises(kpt_compiler.OptionError, match="gqa_kernel='flex' .* needs pack_gqa=True"):
         torch.compile(lambda x: x + 1, backend="kernelpytorch",
                       options={"attention": {"gqa_kernel": "flex", "pack_gqa": False}})(torch.ones(2))
+
+
+@pytest.mark.parametrize("s, pairs, want", [(80, 8, 2), (2080, 8, 17), (4096, 8, 32), (2080, 128, 2), (2080, 300, 1),
+                                            (1, 8, 1), (64 * 40, 8, 20)])
+def test_the_decoding_kernel_gets_no_more_key_splits_than_there_are_tiles_of_keys(s, pairs, want):
+    # Inductor's rule on 132 SMs: 2 * (132 // pairs) parts, each rounded up to whole tiles of 64 keys
+    from kpt_compiler.kernels.flex_attention import split_kv
+
+    got = split_kv(s, pairs, 132)
+    assert got == want
+    inductor = max(2 * (132 // pairs), 1)
+    tile = -(-(-(-s // inductor)) // 64) * 64  # the keys a part of Inductor's covers
+    assert got <= inductor and -(-s // got) <= tile and (got - 1) * tile < s  # as much work a part, none empty
