@@ -142,8 +142,8 @@ def flex_masked_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         tensors = iter(blocks)
         block = tuple(next(tensors) if x == "tensor" else x for x in block_spec) + (noop_mask,)
     kernel_options = _apply_kernel_options(q, k, v, False, None)
-    ratio = hq // k.shape[1]
-    if q.is_cuda and t < 128 and ratio & (ratio - 1) == 0 and all(isinstance(x, int) for x in (b, hq, s)):
+    if q.is_cuda and all(isinstance(x, int) for x in (b, hq, t, s, k.shape[1])) and 0 < t < 128 \
+            and hq % k.shape[1] == 0 and (hq // k.shape[1]) & (hq // k.shape[1] - 1) == 0:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count  # Inductor's decoding kernel runs
         kernel_options["SPLIT_KV"] = split_kv(s, b * k.shape[1], sms)
     out, *_ = flex_attention_hop(q, k, v, score_mod, block, scale, kernel_options, buffers)
@@ -155,7 +155,9 @@ def split_kv(s: int, pairs: int, sms: int, block_n: int = 64) -> int:
     the SMs over the (batch, key/value head) pairs, ``get_split_k`` in torch/_inductor/kernel/flex/
     flex_decoding.py), but no more than the tiles of ``block_n`` keys its parts are rounded to fill. Its rule
     ignores the length: at 80 keys, a batch of one and 8 key/value heads, 32 parts, 30 of them empty, and its
-    combine reads all 32; here 2. At 2080 keys its parts are 128 keys, 17 of them with work; here 17."""
+    combine reads all 32; here 2. At 2080 keys its parts are 128 keys, 17 of them with work; here 17 (a batch of
+    one, 8 key/value heads, 132 SMs). Exact at ``block_n`` 64, Inductor's default decoding config on CUDA; under
+    max-autotune it also tries 32 and 128 keys a tile, where a part may get a tile more or none."""
     parts = max(2 * (sms // max(pairs, 1)), 1)
     tiles = max(-(-s // block_n), 1)
     return -(-tiles // -(-tiles // parts))

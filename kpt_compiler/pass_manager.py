@@ -34,27 +34,39 @@ __all__ = ["PassManager"]
 
 log = logging.getLogger("kpt_compiler")
 
-_PACKAGE_ROOT = os.path.dirname(os.path.abspath(__file__))
 
-
-def _source_hash(paths: list[str]) -> str:
+def _source_hash(files: dict[str, str]) -> str:
+    """The hash of the files ``{path: name}``, each under its name: a package file's name does not say where the
+    package is installed, so two checkouts or an editable and a regular install of one tree hash alike."""
     h = hashlib.sha256()
-    for path in sorted(set(paths)):
+    for path, name in sorted(files.items(), key=lambda item: item[1]):
         with open(path, "rb") as f:
-            h.update(path.encode() + b"\0" + f.read())
+            h.update(name.encode() + b"\0" + f.read())
     return h.hexdigest()
 
 
-def _package_sources() -> list[str]:
-    """Every .py and .json file of the package, its passes and kernels included: in an editable install those
-    live beside kpt_compiler/ (pyproject's package-dir), not under it, and a pass's helper modules (its kernels,
-    its _private modules) change what it emits as much as its own file does."""
-    from kpt_compiler import kernels, passes
+_PACKAGES = ("kpt_compiler", "kpt_compiler.passes", "kpt_compiler.kernels")
 
-    out = []
-    for root in {_PACKAGE_ROOT, *passes.__path__, *kernels.__path__}:
-        for base, _dirs, files in os.walk(root):
-            out += [os.path.join(base, f) for f in files if f.endswith((".py", ".json"))]
+
+def _package_sources() -> dict[str, str]:
+    """Every .py and .json file of the package, its passes and kernels included, as {path: "package/relative
+    path"}: in an editable install passes/ and kernels/ live beside kpt_compiler/ (pyproject's package-dir), not
+    under it, and a pass's helper modules and kernels change what it compiles as much as its own file does.
+    Found without importing the subpackages (kernels/ would import triton); dotted names (editors' lock files)
+    and caches are left out."""
+    import importlib.util
+
+    roots = {os.path.abspath(r): pkg for pkg in _PACKAGES
+             for r in importlib.util.find_spec(pkg).submodule_search_locations}
+    out = {}
+    for root, pkg in roots.items():
+        for base, dirs, files in os.walk(root):
+            dirs[:] = [d for d in dirs if not d.startswith((".", "__pycache__"))
+                       and os.path.join(base, d) not in roots]  # a subpackage's files under its own name
+            for f in files:
+                path = os.path.join(base, f)
+                if f.endswith((".py", ".json")) and not f.startswith(".") and os.path.isfile(path):
+                    out[path] = f"{pkg}/{os.path.relpath(path, root)}"
     return out
 
 
@@ -95,10 +107,10 @@ class PassManager:
         """
         if self._fingerprint is None:
             files = _package_sources()
-            for spec in self.pipeline:
+            for spec in self.pipeline:  # a pass registered from outside the package: under its path
                 src = inspect.getsourcefile(spec.run)
                 if src:
-                    files.append(os.path.abspath(src))
+                    files.setdefault(os.path.abspath(src), os.path.abspath(src))
             opts = {k: v for k, v in self.options.to_dict().items() if k != "dump_dir"}
             opts["KPT_DISABLE"] = list(self.options.env_disable)  # not an option, but it changes what runs
             self._fingerprint = hashlib.sha256(

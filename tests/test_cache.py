@@ -164,18 +164,26 @@ def test_a_changed_pass_source_changes_the_fingerprint(tmp_path, monkeypatch):
         unregister_pass("test-edited-pass")
 
 
-def test_the_fingerprint_reads_the_passes_helpers_and_kernels_too():
+def test_the_fingerprint_reads_the_passes_helpers_and_kernels_too_under_names_free_of_the_install_path():
     # an editable install keeps passes/ and kernels/ beside kpt_compiler/: walking kpt_compiler/ alone left every
-    # helper module (passes/_attention_gqa.py, kernels/flex_attention.py, ...) out, so editing one hit the cache
+    # helper module (passes/_attention_gqa.py, kernels/flex_attention.py, ...) out, so editing one could hit the
+    # cache. Each file is hashed under its package's name and its path inside it, as a regular install would
+    # name it too: two checkouts of one tree share Inductor's cache
     import os
 
     from kpt_compiler.kernels import flex_attention, fp4_linear
     from kpt_compiler.pass_manager import _package_sources
     from kpt_compiler.passes import _attention_gqa, _bucket_graphs
 
-    read = {os.path.abspath(p) for p in _package_sources()}
-    for module in (_attention_gqa, _bucket_graphs, flex_attention, fp4_linear):
-        assert os.path.abspath(module.__file__) in read, module.__name__
+    read = _package_sources()
+    for module, name in ((_attention_gqa, "kpt_compiler.passes/_attention_gqa.py"),
+                         (_bucket_graphs, "kpt_compiler.passes/_bucket_graphs.py"),
+                         (flex_attention, "kpt_compiler.kernels/flex_attention.py"),
+                         (fp4_linear, "kpt_compiler.kernels/fp4_linear.py")):
+        assert read.get(os.path.abspath(module.__file__)) == name, module.__name__
+    names = list(read.values())
+    assert len(set(names)) == len(names) and not any(os.path.isabs(n) or "__pycache__" in n for n in names)
+    assert "kpt_compiler/pass_manager.py" in names
 
 
 class _Kernel:
