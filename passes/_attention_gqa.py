@@ -127,11 +127,12 @@ def rewrite(run, node: fx.Node, call: Call, gated, replace) -> bool | None:
     graph = run.gm.graph
     if k is None or v is None or k[1] != v[1] or not _small_query(call, run):
         return None
-    if _flex(run, node, Call(call.q, k[0], v[0], call.mask, call.dropout, call.causal, call.scale), k[1], replace):
+    reduced = Call(call.q, k[0], v[0], call.mask, call.dropout, call.causal, call.scale, call.gqa)  # un-repeated
+    if _flex(run, node, reduced, k[1], replace):
         _erase_copies(graph, call)
         run.ctx.count("gqa_flex")
         return True
-    why = why_not(Call(call.q, k[0], v[0], call.mask, call.dropout, call.causal, call.scale, call.gqa), k[1])
+    why = why_not(reduced, k[1])
     if why:
         run.ctx.note(f"{node.name}: k and v are repeat_kv's copies; not packed: {why}")
         return None
