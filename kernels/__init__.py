@@ -7,6 +7,25 @@ A new kernel file uses the shared plumbing, not its own: ``_launch`` (triton, di
 ``_tma_gemm`` (the persistent TMA GEMM), ``_gemm_common``, ``_norm_common`` and ``_op_forms`` (the op forms).
 """
 
-from . import _tuned_cache
+if __name__ == "kernels":
+    # Imported as a top-level package: Python runs from the repository root, which is then first on sys.path,
+    # and something asked for another distribution's ``kernels`` (Hugging Face's, which transformers 5.25
+    # imports when it loads). That name is not ours: hand it to the installed package, found past this folder.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
 
-_tuned_cache.install()  # autotuning choices kept on disk across restarts (issue 20)
+    _here = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _spec = _machinery.PathFinder.find_spec(
+        __name__, [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _here])
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels' (this repository's kernels/ folder is "
+                                  "kpt_compiler.kernels, not a top-level package)", name=__name__)
+    _module = _util.module_from_spec(_spec)
+    _sys.modules[__name__] = _module  # the import statement returns what sys.modules holds after this file
+    _spec.loader.exec_module(_module)
+else:
+    from . import _tuned_cache
+
+    _tuned_cache.install()  # autotuning choices kept on disk across restarts (issue 20)

@@ -110,3 +110,23 @@ def test_the_source_folder_works_from_the_repository_root_without_an_editable_in
         assert r.returncode == 0, r.stderr[-2000:]
         assert r.stdout.split() == [str(tmp_path / "passes" / "__init__.py"),
                                     str(tmp_path / "kernels" / "gated_linear.py")], (code, r.stdout)
+
+
+def test_run_from_the_repository_root_the_top_level_name_kernels_is_left_to_its_distribution(tmp_path):
+    """kernels/ is kpt_compiler.kernels. Run from the repository root (first on sys.path), ``import kernels``
+    found the folder itself, and transformers 5.25, which imports Hugging Face's ``kernels`` when it loads,
+    failed there (``cannot import name 'CUDAProperties'``). The folder hands the name to the installed package
+    (here a stand-in after the root on the path), or says it has none; kpt_compiler.kernels is unchanged."""
+    other = tmp_path / "site" / "kernels"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("CUDAProperties = 'the installed kernels'\n")
+    code = "import kernels; import kpt_compiler.kernels.gated_linear as g; print(kernels.CUDAProperties); " \
+           "print(g.__name__)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["the installed kernels", "kpt_compiler.kernels.gated_linear"], r.stdout
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.path[:] = [p for p in sys.path if 'site-packages' "
+                        "not in p]; import kernels"], capture_output=True, text=True, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 1 and "No module named 'kernels' (this repository's kernels/ folder" in r.stderr, r.stderr
