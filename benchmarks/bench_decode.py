@@ -51,9 +51,13 @@ LOCAL_SETS = {"cudagraphs-always": {"cudagraphs": {"decide": "always"}},  # not 
               "fp4-no-merge": {"fp4": {"decide": "always", "merge_parallel_linears": False}},
               "fp4-no-pack-gqa": {"fp4": {"decide": "always"}, "attention": {"pack_gqa": False}},
               "no-pack-gqa": {"attention": {"pack_gqa": False}},  # grouped-query SDPA over repeat_kv's copies
-              "attention-always": {"attention": {"decide": "always"}},  # packed below the SMs' pair threshold too
-              # grouped-query attention at small query lengths as FlexAttention over k and v as they are
+              # packed SDPA below the SMs' pair threshold too
+              "attention-always": {"attention": {"decide": "always", "gqa_kernel": "sdpa"}},
+              # grouped-query attention at small query lengths as FlexAttention over k and v as they are (the
+              # default on sm_9x since s35), or as packed SDPA under the pair rule (the default before)
               "gqa-flex": {"attention": {"gqa_kernel": "flex"}},
+              "gqa-sdpa": {"attention": {"gqa_kernel": "sdpa"}},
+              "fp4-gqa-sdpa": {"fp4": {"decide": "always"}, "attention": {"gqa_kernel": "sdpa"}},
               "fp4-gqa-flex": {"fp4": {"decide": "always"}, "attention": {"gqa_kernel": "flex"}}}
 DEFAULT_MODES = "eager,inductor,inductor-ro,kpt,kpt[no-cudagraphs],kpt[ro],kpt[cudagraphs-always]"
 NEEDS_CUDA = ("inductor-ro", "kpt[ro]", "kpt[cudagraphs-always]")

@@ -17,9 +17,10 @@ Row j * T + t of a packed head is query head kvh * r + j at position t, which re
 sums, in another kernel's order. The mask must be the same for every head (its head dimension 1); a causal flag
 (positions counted from the first query row), dropout or ``enable_gqa`` leave the call as it is.
 
-With ``gqa_kernel="flex"`` (opt-in; it needs ``pack_gqa`` on) the call becomes FlexAttention over the query as it
-is and k and v un-repeated instead (kernels/flex_attention.py, ``flex_masked_sdpa``: a mask per head is fine
-there), where ``_flex_why_not`` finds nothing against it; else packed SDPA as above.
+With ``gqa_kernel="flex"`` (it needs ``pack_gqa`` on), and by default (``"auto"``) under Inductor on GPUs of compute
+capability 9.x, the call becomes FlexAttention over the query as it is and k and v un-repeated instead
+(kernels/flex_attention.py, ``flex_masked_sdpa``: a mask per head is fine there), where ``_flex_why_not`` finds
+nothing against it; else packed SDPA as above.
 """
 
 from __future__ import annotations
@@ -188,13 +189,31 @@ def _flex_why_not(run, call: Call, r: int) -> str | None:
     return None
 
 
+def _flex_wanted(run) -> bool:
+    """Whether the option asks for FlexAttention's form: ``"flex"``, or ``"auto"`` under Inductor on compute
+    capability 9.x. There, on an H200, captured decode steps ran as fast as or faster than the packed-SDPA default
+    they replace: s34 at a 16-token prompt, batch 1, 1.271 against 1.248 ms (fp4: 0.690 against 0.696); s35 at a
+    2000-token prompt 1.281 against 1.428 (batch 1), 1.415 against 1.861 (4), 1.965 against 2.098 (16)
+    (docs/attention.md). Not measured on other cards: there "auto" keeps packed SDPA and says so."""
+    kernel, ctx = run.ctx.options.gqa_kernel, run.ctx
+    if kernel != "auto":
+        return kernel == "flex"
+    target = ctx.target
+    if not target.is_cuda or ctx.codegen != "inductor":
+        return False
+    if target.capability is None or target.capability[0] != 9:
+        if not run.flex_said:
+            run.flex_said = True
+            ctx.note("grouped-query attention: FlexAttention's decoding form was timed on compute capability 9.0 "
+                     f"only, not on {target.card}: packed SDPA here (gqa_kernel='flex' takes FlexAttention)")
+        return False
+    return True
+
+
 def _flex(run, node: fx.Node, call: Call, r: int, replace) -> bool:
     """Replace ``node`` by FlexAttention over k and v as they are (``call``: the un-repeated k and v), where the
-    option asks for it (``gqa_kernel="flex"``) and it applies; else False (then packed SDPA). Not the default: on
-    an H200 (s34, bench_decode --step, batch 1, 16-token prompt, captured) the step was as fast as the default's
-    (repeat_kv's copies and cuDNN SDPA at 8 pairs: 1.271 against 1.248 ms; fp4 0.690 against 0.696), and at long
-    prompts it has not been timed under a CUDA graph (docs/attention.md)."""
-    if run.ctx.options.gqa_kernel != "flex":
+    option asks for it (``_flex_wanted``) and it applies; else False (then packed SDPA)."""
+    if not _flex_wanted(run):
         return False
     why = _flex_why_not(run, call, r)
     if why:

@@ -71,8 +71,8 @@ class AttentionOptions:
     decide: Literal["auto", "measure", "always"] = "auto"
     # SDPA over repeat_kv's copies at query lengths up to 64 runs over the key/value heads (passes/_attention_gqa.py)
     pack_gqa: bool = True
-    # ... as SDPA over the packed query ("sdpa") or FlexAttention over k and v as they are ("flex", opt-in for now)
-    gqa_kernel: Literal["sdpa", "flex"] = "sdpa"
+    # ... as SDPA over the packed query or FlexAttention over k, v as they are; "auto": flex under Inductor on sm_9x
+    gqa_kernel: Literal["auto", "sdpa", "flex"] = "auto"
 
     def __post_init__(self):
         if self.min_seq_len < 1:
@@ -149,6 +149,7 @@ class _Run:
     guard: provenance.Guard | None = None  # rewrites read from marked inputs hold for calls that pass them
     marks: dict = dataclasses.field(default_factory=dict)  # mask node -> provenance.marked(run, mask), once
     flex_blocks: dict = dataclasses.field(default_factory=dict)  # (t, s, device) -> FlexAttention's block constants
+    flex_said: bool = False  # the note on why "auto" keeps packed SDPA on this card, once a graph
 
     def marked(self, mask: fx.Node) -> dict:
         return provenance.marked(self, mask)
