@@ -19,12 +19,12 @@ if __name__ == "kernels":
     _here = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _spec = _machinery.PathFinder.find_spec(
         __name__, [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _here])
-    if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels' (this repository's kernels/ folder is "
-                                  "kpt_compiler.kernels, not a top-level package)", name=__name__)
-    _module = _util.module_from_spec(_spec)
-    _sys.modules[__name__] = _module  # the import statement returns what sys.modules holds after this file
-    _spec.loader.exec_module(_module)
+    if _spec is not None and _spec.loader is not None:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules[__name__] = _module  # the import statement returns what sys.modules holds after this file
+        _spec.loader.exec_module(_module)
+    # else none is installed: an empty module with no version (transformers 5.17 imports it to ask for one, and
+    # takes "N/A" as not installed), and none of the kernels' own set-up, which is kpt_compiler.kernels'
 else:
     from . import _tuned_cache
 

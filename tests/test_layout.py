@@ -116,7 +116,7 @@ def test_run_from_the_repository_root_the_top_level_name_kernels_is_left_to_its_
     """kernels/ is kpt_compiler.kernels. Run from the repository root (first on sys.path), ``import kernels``
     found the folder itself, and transformers 5.25, which imports Hugging Face's ``kernels`` when it loads,
     failed there (``cannot import name 'CUDAProperties'``). The folder hands the name to the installed package
-    (here a stand-in after the root on the path), or says it has none; kpt_compiler.kernels is unchanged."""
+    (here a stand-in after the root on the path), or is an empty module where none is installed; kpt_compiler.kernels is unchanged."""
     other = tmp_path / "site" / "kernels"
     other.mkdir(parents=True)
     (other / "__init__.py").write_text("CUDAProperties = 'the installed kernels'\n")
@@ -126,7 +126,9 @@ def test_run_from_the_repository_root_the_top_level_name_kernels_is_left_to_its_
                        env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.splitlines() == ["the installed kernels", "kpt_compiler.kernels.gated_linear"], r.stdout
+    # with none installed (transformers 5.17 imports the name to ask its version): an empty module, no error
     r = subprocess.run([sys.executable, "-c", "import sys; sys.path[:] = [p for p in sys.path if 'site-packages' "
-                        "not in p]; import kernels"], capture_output=True, text=True, cwd=ROOT,
-                       env={**os.environ, "PYTHONPATH": ""})
-    assert r.returncode == 1 and "No module named 'kernels' (this repository's kernels/ folder" in r.stderr, r.stderr
+                        "not in p]; import kernels; print(getattr(kernels, '__version__', 'N/A'), "
+                        "sorted(k for k in vars(kernels) if not k.startswith('_')))"],
+                       capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0 and r.stdout.split() == ["N/A", "[]"], (r.stdout, r.stderr[-2000:])
