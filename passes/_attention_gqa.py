@@ -191,10 +191,10 @@ def _flex_why_not(run, call: Call, r: int) -> str | None:
 
 def _flex_wanted(run) -> bool:
     """Whether the option asks for FlexAttention's form: ``"flex"``, or ``"auto"`` under Inductor on compute
-    capability 9.x. There, on an H200, captured decode steps ran as fast as or faster than the packed-SDPA default
-    they replace: s34 at a 16-token prompt, batch 1, 1.271 against 1.248 ms (fp4: 0.690 against 0.696); s35 at a
-    2000-token prompt 1.281 against 1.428 (batch 1), 1.415 against 1.861 (4), 1.965 against 2.098 (16)
-    (docs/attention.md). Not measured on other cards: there "auto" keeps packed SDPA and says so."""
+    capability 9.x. There, on an H200, captured decode steps against the default they replace (step ms): at a
+    16-token prompt, batch 1, 1.271 against 1.248 in s34 and 1.259 against 1.271 in s35 (fp4: 0.690 against 0.696,
+    0.657 against 0.682); at a 2000-token prompt (s35) 1.281 against 1.428 (batch 1), 1.415 against 1.861 (4),
+    1.965 against 2.098 (16) (docs/attention.md). Not measured on other cards: there "auto" keeps packed SDPA."""
     kernel, ctx = run.ctx.options.gqa_kernel, run.ctx
     if kernel != "auto":
         return kernel == "flex"
