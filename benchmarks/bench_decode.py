@@ -58,7 +58,11 @@ LOCAL_SETS = {"cudagraphs-always": {"cudagraphs": {"decide": "always"}},  # not 
               "gqa-flex": {"attention": {"gqa_kernel": "flex"}},
               "gqa-sdpa": {"attention": {"gqa_kernel": "sdpa"}},
               "fp4-gqa-sdpa": {"fp4": {"decide": "always"}, "attention": {"gqa_kernel": "sdpa"}},
-              "fp4-gqa-flex": {"fp4": {"decide": "always"}, "attention": {"gqa_kernel": "flex"}}}
+              "fp4-gqa-flex": {"fp4": {"decide": "always"}, "attention": {"gqa_kernel": "flex"}},
+              # Inductor's horizontal fusion (an Inductor option, passed through): independent small kernels of
+              # the step (the per-layer cache updates, norms) as one launch; not yet GPU-run (s36)
+              "combo": {"inductor": {"combo_kernels": True}},
+              "fp4-combo": {"fp4": {"decide": "always"}, "inductor": {"combo_kernels": True}}}
 DEFAULT_MODES = "eager,inductor,inductor-ro,kpt,kpt[no-cudagraphs],kpt[ro],kpt[cudagraphs-always]"
 NEEDS_CUDA = ("inductor-ro", "kpt[ro]", "kpt[cudagraphs-always]")
 FULL = dict(num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
