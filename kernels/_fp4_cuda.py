@@ -64,19 +64,10 @@ __device__ __forceinline__ void mma(float *c, u32 a0, u32 a1, u32 a2, u32 a3, u3
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The weights stream through L2 first in line for eviction (the policy below), so that they do not push out what
-// the step's other kernels read again: the activations, the KV cache, the norms' weights (s36: 5% of a captured
-// decode-like chain; docs/fp4-cuda-kernel.md).
-__device__ __forceinline__ unsigned long long evict_first_policy() {
-  unsigned long long pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-
-__device__ __forceinline__ uint4 load_stream(const u32 *p, unsigned long long pol) {  // weights: read once, no L1
+__device__ __forceinline__ uint4 load_stream(const u32 *p) {  // weights: read once, not kept in L1
   uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 
@@ -98,9 +89,8 @@ __device__ __forceinline__ unsigned shared_address(const void *p) {
   return a;
 }
 
-__device__ __forceinline__ void cp_async16(unsigned a, const void *gmem, unsigned long long pol) {  // L2, shared
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" :: "r"(a), "l"(gmem), "l"(pol)
-               : "memory");
+__device__ __forceinline__ void cp_async16(unsigned a, const void *gmem) {  // weights: L2 only, then shared
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(gmem) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -155,7 +145,6 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
   static_assert(DEPTH % 2 == 0, "x's two buffers alternate with the chunk's parity: DEPTH must be even");
   const int lane = threadIdx.x & 31, rw = (threadIdx.x >> 5) % RW, warp = (threadIdx.x >> 5) / RW;
   const int g = lane >> 2, t = lane & 3;
-  const unsigned long long pol = evict_first_policy();
   const int row0 = (blockIdx.x * RW + rw) * 16 * RT + g;  // row tile rt: rows row0 + 16 rt and + 8
   const int nchunks = K / 128;
   const int first = blockIdx.y * chunks_per_split + warp;
@@ -199,11 +188,11 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
   if (i0 + (P) < count) {                                                                      \
     _Pragma("unroll") for (int rt = 0; rt < RT; ++rt) {                                        \
       if (ASYNC) {                                                                             \
-        cp_async16(ring + ((slot) * RT + rt) * 1024, w_lo[rt] + 16 * WK * (P), pol);           \
-        cp_async16(ring + ((slot) * RT + rt) * 1024 + 512, w_hi[rt] + 16 * WK * (P), pol);     \
+        cp_async16(ring + ((slot) * RT + rt) * 1024, w_lo[rt] + 16 * WK * (P));                \
+        cp_async16(ring + ((slot) * RT + rt) * 1024 + 512, w_hi[rt] + 16 * WK * (P));          \
       } else {                                                                                 \
-        wb[slot][rt][0] = load_stream(w_lo[rt] + 16 * WK * (P), pol);                          \
-        wb[slot][rt][1] = load_stream(w_hi[rt] + 16 * WK * (P), pol);                          \
+        wb[slot][rt][0] = load_stream(w_lo[rt] + 16 * WK * (P));                               \
+        wb[slot][rt][1] = load_stream(w_hi[rt] + 16 * WK * (P));                               \
       }                                                                                        \
       sb[slot][rt][0] = *(const u16 *)(s_lo[rt] + 8 * WK * (P));                               \
       sb[slot][rt][1] = *(const u16 *)(s_hi[rt] + 8 * WK * (P));                               \
