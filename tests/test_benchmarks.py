@@ -403,3 +403,22 @@ def test_bench_warm_times_both_autotuners(monkeypatch):
     assert Autotuner._bench(None, config=None) == [1.0] and CachingAutotuner.benchmark_all_configs(None) == {}
     Autotuner._bench(None, config=None)
     assert totals["calls"] == 3 and 0.07 <= totals["seconds"] < 1.0, totals
+
+
+def test_the_l2_diagnosis_variants_still_apply_to_the_kernel_source():
+    """``benchmarks/diag_fp4_l2.py`` carries the evict-first hint that a GPU session is to land with a new H200
+    calibration (docs/fp4-cuda-kernel.md): each variant's edits must still find their places in the CUDA form's
+    source, and the hint must touch the weights' loads and nothing else."""
+    from benchmarks import diag_fp4_l2 as d
+
+    assert d.source(False) == d.AS_BUILT
+    hinted = d.source(True)
+    assert hinted.count("L2::cache_hint") == 2 and hinted.count(", pol)") == 4
+    undone = hinted
+    for plain, hint in reversed(d.HINTS):
+        assert undone.count(hint) == 1, hint[:60]
+        undone = undone.replace(hint, plain)
+    assert undone == d.AS_BUILT
+    for exp in ("evict-first", "prefetch"):
+        for name, (variant, *_) in d.variants(exp).items():
+            assert "fp4_mma_sync" in d.source(*variant), (exp, name)
