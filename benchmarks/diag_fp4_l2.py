@@ -17,6 +17,11 @@ Variants of ``kernels/_fp4_cuda.SOURCE``, each built by NVRTC as the real one is
   next weight is q/k/v or o (12-14 MB, which fit in L2 beside the rest).
 Every variant must give the same output as the first (the hints and the prefetch change no value); the table
 says so. Rounds interleave the variants, so that drift of the machine hits each alike.
+
+``gemv`` repeats ``_fp4_cuda.fp4_linear_cuda``'s launch (split, grid, shared memory) because the prefetch
+variants take five more kernel arguments. Giving ``fp4_linear_cuda`` extra arguments instead would change
+``_fp4_cuda.py``, whose whole code the cost model hashes into the H200's fp4 calibration: do it with the
+recalibration that lands the hint, and call it from here then.
 """
 
 from __future__ import annotations
