@@ -3,9 +3,10 @@ Inductor cache folder, the second time as a restarted job would.
 
     python -m benchmarks.bench_warm [--models a,b] [--modes kpt,inductor] [--out DIR] [--device cuda|cpu]
 
-For each quick inference case of the zoo (benchmarks/zoo.py; --models picks entries) and each mode, a child
-process (``--child``) builds the model (bf16 on CUDA, fp32 on the CPU), runs it once eagerly, imports Inductor (and
-for kpt our passes and kernels) under a timer of their own, compiles it under ``torch.no_grad`` and times
+For each quick inference case of the zoo (benchmarks/zoo.py; --models picks entries, and for an entry with no
+quick inference case, such as the CPU zoo's whole models, takes its first inference case) and each mode, a
+child process (``--child``) builds the model (bf16 on CUDA, fp32 on the CPU), runs it once eagerly, imports
+Inductor (and for kpt our passes and kernels) under a timer of their own, compiles it under ``torch.no_grad`` and times
 ``torch.compile`` and the first call, which includes the compile. Of that time it also gives Dynamo's
 share (Dynamo, our backend and Inductor; the rest is the first run, with the kernels' loading) and the time the
 autotuners spent on their configs (Triton's, which our kernels use outside Inductor, and Inductor's; Triton's
@@ -44,6 +45,16 @@ from .zoo import cases
 MODES = ("kpt", "inductor")
 
 
+def inference_case(model_name: str, device: str):
+    """The zoo entry and the case a model's cold and warm compiles run: its first quick inference case, else (a
+    model named with --models that has none, such as the CPU zoo's whole models) its first inference case."""
+    for suite in ("quick", "full"):
+        found = [(e, c) for e, c in cases(suite, device, [model_name]) if c.task == "inference"]
+        if found:
+            return found[0]
+    raise ValueError(f"{model_name} has no inference case in the {device} zoo (benchmarks/zoo.py)")
+
+
 def child(model_name: str, mode: str, device: str, profile: str | None = None) -> dict:
     """One compile of one case in this process: the first call's seconds and what the caches and passes did.
 
@@ -57,7 +68,7 @@ def child(model_name: str, mode: str, device: str, profile: str | None = None) -
 
     from .measure import prepare, sync
 
-    (entry, case), = [(e, c) for e, c in cases("quick", device, [model_name]) if c.task == "inference"][:1]
+    entry, case = inference_case(model_name, device)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model, make_inputs = prepare(entry, device, dtype)
     model.eval()
@@ -263,8 +274,12 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args.child, modes[0], args.device, args.profile)))
         return 0
-    names = args.models.split(",") if args.models else None
-    models = list(dict.fromkeys(e.name for e, c in cases("quick", args.device, names) if c.task == "inference"))
+    if args.models:
+        models = list(dict.fromkeys(m for m in args.models.split(",") if m))
+        for name in models:
+            inference_case(name, args.device)  # an unknown name, or one with no inference case, fails here
+    else:
+        models = list(dict.fromkeys(e.name for e, c in cases("quick", args.device) if c.task == "inference"))
     meta = run_meta("bench_warm", argv, args.device)
     rows: list[dict] = []
     for name in models:

@@ -83,6 +83,7 @@ CPU_ZOO: tuple[Entry, ...] = (
     Entry("llama-eager", "llama", {"attn": "eager"}, (Case("inference", 1, 128), Case("training", 1, 128),
                                                       Case("inference", 1, 1024), Case("training", 1, 1024))),
     Entry("t5-encoder-sdpa", "t5-encoder", {"attn": "sdpa"}, (Case("inference", 2, 128),)),
+    Entry("t5-encoder-eager", "t5-encoder", {"attn": "eager"}, (Case("inference", 2, 128),)),
     Entry("vit-sdpa", "vit", {"attn": "sdpa"}, (Case("inference", 1, 224),), image=True),
 )
 
