@@ -387,6 +387,19 @@ def test_bench_warm_compiles_cold_then_warm_from_one_cache(tmp_path):
     assert (tmp_path / "bench_warm.md").read_text().count("| tiny-gpt |") == 1
 
 
+def test_bench_warm_takes_a_named_entrys_first_inference_case():
+    """A model named with --models that has no quick inference case (the CPU zoo's whole models) runs its first
+    inference case; a quick one is preferred where there is one; a name the zoo lacks is an error naming it."""
+    from benchmarks import bench_warm
+
+    entry, case = bench_warm.inference_case("t5-encoder-eager", "cpu")
+    assert entry.name == "t5-encoder-eager" and case.task == "inference" and not case.quick
+    entry, case = bench_warm.inference_case("tiny-gpt", "cpu")
+    assert case.quick and case.task == "inference"
+    with pytest.raises(ValueError, match="t5-decoder"):
+        bench_warm.main(["--device", "cpu", "--models", "t5-decoder", "--modes", "kpt"])
+
+
 def test_bench_warm_times_both_autotuners(monkeypatch):
     """What the autotuning column adds up: each config benchmark of Triton's autotuner and each of Inductor's."""
     import time
