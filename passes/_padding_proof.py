@@ -27,6 +27,10 @@ The rules, each a reason the real part stays what it was unpadded (a step no rul
             position tensor of the same symbol; slicing from a constant start
 Anything else that touches a padded dim (an unknown op, a reduction without a neutral fill, a value computed
 from a padded size, an input mutated in place) fails the proof, and the failure names the op and the symbol.
+A padded size may reach any op only as a size (of a view, a new tensor, an arange, a slice's end) that grows
+with the padding, and every result's padded sizes must grow (``sizes_only``): an index, a slice's start, a
+shift, a fill value or a scale computed from a padded size, or a size like ``32 - s``, fails (the review of
+2026-12-04). Positions stay positions only in dtypes that hold them exactly (``EXACT_POSITIONS``).
 Values of the real computation are assumed finite (a real +inf meeting a -inf mask would give NaN unpadded too);
 values at padded positions are followed as finite or not (zeros stay finite through sums and products, a
 reciprocal or log of them need not), and "0 * x" or "x + -inf" count only for finite x. A mask's "hidden" is
@@ -103,12 +107,26 @@ def _syms(expr: Any, padded: frozenset) -> frozenset:
 
 
 NEG = float("-inf")
+# dtypes that hold every position exactly (a size past 2**31 aside): positions cast to another (int8 wraps at 128,
+# bfloat16 rounds past 256) are positions no more
+EXACT_POSITIONS = (torch.int64, torch.int32, torch.float64)
 # a finite mask value this low (a float32 or bfloat16 dtype's lowest: transformers' masks) hides a key in a row
 # that sees another, whose values are at most SMALL: exp underflows to 0. fp16's -65504 does not qualify (real
 # scores may come near it); values past SMALL are not followed as real ones
 HIDE, SMALL = -1e38, 1e30
 VERY_NEG, VISIBLE = "-big", "seen"  # a value <= HIDE plus one within SMALL; a real value no mask hid
 UNKNOWN, UNBOUNDED = "?", "?inf"  # a value not known (finite), one not known to be finite
+
+
+def finite_value(v: Any) -> bool:
+    """A fill that is a finite number (or a bool, a finite hiding value, or a marker of a real value)."""
+    return not isinstance(v, float) or v - v == 0
+
+
+def finite_along(av: AV, d: int) -> bool:
+    """Whether av's values are finite where dim d is padded and the others real: its fill there, or else its
+    ``finite``."""
+    return finite_value(av.fill[d]) if d in av.fill else av.finite
 
 
 def _is_neg(v: Any) -> bool:
@@ -157,6 +175,36 @@ class _Prover:
             if s:
                 self.fail(node, f"{what} is computed from the padded size {', '.join(map(str, s))}", s)
 
+    def sizes_only(self, node: fx.Node, shapes: list[tuple]) -> None:
+        """Padded sizes may reach an op only as sizes (a view's, a new tensor's, an arange's or a slice's end),
+        each growing with the padding, and the op's result may only grow where padded: an index, a start, a
+        shift, a fill value or a scale computed from a padded size reads other data once padded (r1-r5 of the
+        review of 2026-12-04), and a size that shrinks (``32 - s``) leaves no real prefix to slice back."""
+        from ._padding_views import SIZE_ARGS, grows
+
+        packet, schema = node.target.overloadpacket, node.target._schema.arguments
+        for arg, value in zip(schema, list(node.args) + [None] * len(schema)):
+            value = node.kwargs.get(arg.name, value)
+            for v in (value if isinstance(value, (list, tuple)) else [value]):
+                sym = v.meta.get("val") if isinstance(v, fx.Node) else None
+                if not isinstance(sym, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                    continue
+                syms = _syms(sym.node.expr, self.padded)
+                if not syms:
+                    continue
+                size = arg.name in SIZE_ARGS or arg.name == "end" and packet in (aten.arange, aten.slice)
+                if not size:
+                    self.fail(node, f"its argument {arg.name} ({sym}) is computed from the padded size "
+                                    f"{', '.join(map(str, syms))}", syms)
+                if not grows(sym.node.expr, syms):
+                    self.fail(node, f"its {arg.name} {sym} shrinks as {', '.join(map(str, syms))} grows", syms)
+        for shape in shapes:
+            for e in shape:
+                syms = _syms(e, self.padded)
+                if syms and not grows(e, syms):
+                    self.fail(node, f"its result's size {e} does not grow with {', '.join(map(str, syms))}: no real "
+                                    "prefix to keep", syms)
+
     def scrambled(self, av: AV, d: int) -> bool:
         """Whether dim ``d`` merges a padded factor inside another: its real positions are not its first ones."""
         return any(_syms(f, self.padded) for f in av.factors.get(d, ())[1:])
@@ -198,6 +246,7 @@ class _Prover:
         if not isinstance(val, torch.Tensor):
             return None
         shape = tuple(_expr(s) for s in val.shape)
+        self.sizes_only(node, [shape])
         ins = [a for a in _flat_args(node) if isinstance(a, fx.Node) and isinstance(self.av(a), AV)]
         touched = any(self.pdims(self.av(a)) for a in ins) or any(_syms(e, self.padded) for e in shape)
         if target._schema.is_mutable:
@@ -220,6 +269,7 @@ class _Prover:
         """Ops with several outputs: native_layer_norm (rows), split (views), attention."""
         name = node.target.overloadpacket
         shapes = [tuple(_expr(s) for s in v.shape) if isinstance(v, torch.Tensor) else None for v in vals]
+        self.sizes_only(node, [s for s in shapes if s is not None])
         if "scaled_dot_product" in node.target.name():
             first = self.attention(node, shapes[0])
             return [first] + [AV(s) if s is not None else None for s in shapes[1:]]
@@ -289,10 +339,18 @@ class _Prover:
             bool_mask = mav is not None and isinstance(mask, fx.Node) and mask.meta["val"].dtype == torch.bool
             masked = fill is False if bool_mask else _is_neg(fill)
             masked = masked or _hides(fill) and self.sees_diagonal(mav, q.shape[qd], k.shape[kd])
-            if not (causal or masked) or not (k.finite and v.finite):
+            real_kv = finite_along(k, kd) and finite_along(v, kd)
+            if not (causal or masked) or not real_kv:
                 self.fail(node, "attention over padded keys without a causal flag or a mask that hides them"
-                          + ("" if k.finite and v.finite else " (or keys and values not known finite there)"), ks)
-        return AV(shape)
+                          + ("" if real_kv else " (or keys and values not known finite there)"), ks)
+        # its padded query rows: finite unless a mask hides every key from them (a softmax over nothing: NaN)
+        finite = all(t.finite and all(finite_value(f) for f in t.fill.values()) for t in (q, k, v))
+        if mav is not None and len(mav.shape) >= 2 and _syms(mav.shape[-2], self.padded):
+            fq = mav.fill.get(len(mav.shape) - 2, UNKNOWN)
+            bool_mask = mask.meta["val"].dtype == torch.bool
+            finite = finite and (fq is True if bool_mask else fq == VERY_NEG or isinstance(fq, (int, float))
+                                 and not isinstance(fq, bool) and finite_value(float(fq)))
+        return AV(shape, finite=finite)
 
     def sees_diagonal(self, x: AV, rows: Any, cols: Any) -> bool:
         """Every real row of x's last two dims (rows x cols, padded alike) has a key it sees: its diagonal."""

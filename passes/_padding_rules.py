@@ -8,8 +8,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ._padding_proof import (SMALL, UNBOUNDED, UNKNOWN, AV, NEG, VERY_NEG, VISIBLE, _dim, _hides, _is_neg, _Prover,
-                             _sees, _small, _syms)
+from ._padding_proof import (EXACT_POSITIONS, SMALL, UNBOUNDED, UNKNOWN, AV, NEG, VERY_NEG, VISIBLE, _dim, _hides,
+                             _is_neg, _Prover, _sees, _small, _syms, finite_along, finite_value)
 
 aten = torch.ops.aten
 
@@ -74,7 +74,9 @@ def _combine(op, values: list[Any], kwargs: dict | None = None, dtypes: list | N
         to = kwargs.get("dtype")
         return _markers(packet, values) if to is None or to.is_floating_point else UNKNOWN
     if all(v not in (UNKNOWN, UNBOUNDED) for v in values):
-        kwargs = {k: v for k, v in kwargs.items() if k == "dtype"}
+        # the op's own keywords (gelu's approximate, div's rounding_mode, the dtype), not where the result lives
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory", "memory_format",
+                                                                "non_blocking")}
         dtypes = dtypes or [None] * len(values)
         try:
             with torch._subclasses.fake_tensor.unset_fake_temporarily():
@@ -146,7 +148,7 @@ def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     for a in operands:
         p.sym_value_used(node, a, "an operand")
     out = AV(shape)
-    nd = len(shape)
+    nd, nan_fill = len(shape), False
     for a in tensors:  # dims kept position for position keep what they were merged from
         av = p.av(a)
         for d, f in av.factors.items():
@@ -168,15 +170,19 @@ def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
         if not _syms(s, p.padded):
             continue
         v = _combine(node.target, [_broadcast_value(p, a, nd, d, shape) for a in node.args], node.kwargs, dtypes)
-        if v not in (UNKNOWN, UNBOUNDED, VISIBLE):
+        if isinstance(v, float) and v != v:  # NaN ((-0.5) ** 0.5 at a zero): no fill, and not finite there
+            nan_fill = True
+        elif v not in (UNKNOWN, UNBOUNDED, VISIBLE):
             out.fill[d] = v
     out.diag = _diagonal(p, node, shape, dtypes)
     out.masks = any(p.av(a).masks or _hides(p.av(a).const) for a in tensors) or any(_hides(a) for a in node.args)
     packet = node.target.overloadpacket
     out.finite, out.lower = _finite(p, node, packet, tensors, out)
-    # position tensors: arange + c stays a position; a comparison of two positions is a causal mask
+    out.finite = out.finite and not nan_fill
+    # position tensors: arange + c stays a position (in a dtype that holds every position exactly); a comparison
+    # of two positions is a causal mask
     if packet in (aten.add, aten.sub, aten._to_copy, aten.clone, aten.detach, aten.alias) and tensors \
-            and node.kwargs.get("alpha", 1) == 1:
+            and node.kwargs.get("alpha", 1) == 1 and node.meta["val"].dtype in EXACT_POSITIONS:
         a = p.av(node.args[0]) if isinstance(node.args[0], fx.Node) else None
         c = node.args[1] if len(node.args) > 1 else 0
         if a is not None and a.pos and isinstance(c, int) and not isinstance(c, bool):
@@ -232,7 +238,8 @@ def _finite(p: _Prover, node: fx.Node, packet, tensors: list, out: AV) -> tuple[
             aten.rsqrt, aten.sqrt, aten.log, aten.reciprocal)  # rsqrt(mean(x * x) + eps)
         divisor_const = packet is aten.div and len(node.args) > 1 and isinstance(node.args[1], (int, float)) \
             and node.args[1] != 0
-        power = packet is aten.pow and consts and consts[0] >= 0  # x ** 2: as finite as x
+        # x ** 2: as finite as x; a fractional power of a negative value is NaN
+        power = packet is aten.pow and consts and consts[0] >= 0 and float(consts[0]).is_integer()
         finite = finite and (bounded or divisor_const or power)
     if packet in (aten.where, aten.masked_fill):  # an infinite constant shows where the condition picks it
         picks = [a for a in node.args[1:] if isinstance(a, float) and not torch.isfinite(torch.tensor(a))]
@@ -327,6 +334,8 @@ def _softmax(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     out = p.keep_dims(x, shape, {o: o for o in range(len(shape)) if o != d})
     # along other dims: a softmax of the row (weights in [0, 1]: no mask value left in them)
     out.pos, out.const, out.fill, out.lower, out.masks = {}, None, {}, None, False
+    # a row padded along another dim whose fill is -inf (a query the mask hides from every key) is NaN
+    out.finite = x.finite and all(finite_value(f) for e, f in x.fill.items() if e != d)
     if d in pd:
         f = x.fill.get(d, "?")
         hidden = _hides(f) and d == len(shape) - 1 and p.sees_diagonal(x, x.shape[-2], x.shape[-1])
@@ -347,7 +356,7 @@ def _cumsum(p: _Prover, node: fx.Node, shape: tuple) -> AV:
 def _contract(p: _Prover, node: fx.Node, a: AV, b: AV, ka: int, kb: int, shape: tuple) -> AV:
     s = _syms(a.shape[ka], p.padded) | _syms(b.shape[kb], p.padded)
     # zeros on one side, finite values on the other (0 * inf is NaN)
-    if s and not (a.fill.get(ka) == 0 and b.finite or b.fill.get(kb) == 0 and a.finite):
+    if s and not (a.fill.get(ka) == 0 and finite_along(b, kb) or b.fill.get(kb) == 0 and finite_along(a, ka)):
         p.fail(node, "a matrix product sums over a padded dim that is not known to be zero on one side and "
                      "finite on the other", s)
     if s:

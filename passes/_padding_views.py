@@ -3,16 +3,46 @@ passes/_padding_proof.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import sympy
 import torch
 import torch.fx as fx
 
-from ._padding_proof import _INT_MAX, AV, _dim, _expr, _Prover, _syms
+from ._padding_proof import _INT_MAX, AV, EXACT_POSITIONS, _dim, _expr, _Prover, _syms
 from ._padding_rules import _rule
 
 aten = torch.ops.aten
+
+
+# the arguments through which a padded size may reach an op: the sizes and strides of a view or a new tensor
+SIZE_ARGS = frozenset({"size", "shape", "stride"})
+
+
+def grows(expr: Any, syms: Iterable[sympy.Symbol]) -> bool:
+    """Whether ``expr`` (a size, all of whose symbols are positive) never decreases as any of ``syms`` grows,
+    read off its form: sums, products of nonnegative terms, integer powers, floor division by a positive
+    constant, min and max of such. Anything else counts as not growing."""
+    from torch.utils._sympy.functions import CeilDiv, CleanDiv, FloorDiv, Max, Min
+
+    def up(e: Any) -> bool:
+        if not (e.free_symbols & set(syms)):
+            return True
+        if isinstance(e, sympy.Symbol):
+            return True
+        if isinstance(e, sympy.Add):
+            return all(up(a) for a in e.args)
+        if isinstance(e, sympy.Mul):
+            return all(up(a) and (a.is_nonnegative is True) for a in e.args)
+        if isinstance(e, sympy.Pow):
+            return e.exp.is_Integer and e.exp > 0 and up(e.base) and e.base.is_nonnegative is True
+        if isinstance(e, (FloorDiv, CeilDiv, CleanDiv)):
+            return e.args[1].is_number and e.args[1] > 0 and up(e.args[0])
+        if isinstance(e, (sympy.Max, sympy.Min, Max, Min)):
+            return all(up(a) for a in e.args)
+        return False
+
+    return up(sympy.sympify(expr))
 
 
 @_rule(aten.view, aten._unsafe_view, aten.reshape)
@@ -203,7 +233,7 @@ def _arange(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     for v, what in ((start, "the start of an arange"), (step, "the step of an arange")):
         p.sym_value_used(node, v, what)
     out = AV(shape)
-    if isinstance(start, int) and step == 1:
+    if isinstance(start, int) and step == 1 and node.meta["val"].dtype in EXACT_POSITIONS:
         out.pos[0] = start
     return out
 
@@ -215,7 +245,8 @@ def _creation(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     value = {aten.zeros: 0, aten.ones: 1, aten.new_ones: 1, aten.new_zeros: 0, aten.zeros_like: 0,
              aten.ones_like: 1}.get(packet)
     if packet in (aten.full, aten.new_full, aten.full_like, aten.scalar_tensor):
-        value = node.args[1] if packet is not aten.scalar_tensor else node.args[0]
+        value = node.args[0] if packet is aten.scalar_tensor else node.args[2] if packet is aten.new_full \
+            else node.args[1]  # new_full(self, size, fill_value)
         p.sym_value_used(node, value, "the fill value")
     dtype = node.meta["val"].dtype
     if value is not None and dtype == torch.bool:

@@ -166,14 +166,26 @@ class Plan:
         if self.graphs is not None:
             outs = self.graphs.run(key, compiled, new, list(shapes), shapes, dict(zip(self.symbols, key)))
             if outs is not None:
-                return self._slice(outs, out_sizes, copy=True)
+                return self._slice(outs, out_sizes, copy=True) if self._fits(outs, out_sizes) else compiled(*args)
             if not forced and not self.pad_always and key in self.graphs.declined:
                 return compiled(*args)  # no CUDA graph holds this bucket: its own sizes cost less than padded ones
         for i, shape in shapes.items():
             t = args[i]
             pad = [p for d in reversed(range(t.dim())) for p in (0, shape[d] - t.shape[d])]
             new[i] = F.pad(t, pad) if any(pad) else t
-        return self._slice(compiled(*new), out_sizes, copy=False)
+        outs = compiled(*new)
+        return self._slice(outs, out_sizes, copy=False) if self._fits(outs, out_sizes) else compiled(*args)
+
+    def _fits(self, outs: Any, out_sizes: list) -> bool:
+        """Whether each output holds its real sizes (the proof makes every padded dim grow). If one does not, the
+        proof was wrong: padding is withdrawn, said in the report, and the call runs at its own sizes."""
+        flat = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        if all(flat[i].size(d) >= n for (i, _), sizes in zip(self.outputs, out_sizes) for d, n in sizes):
+            return True
+        self.withdrawn = "an output came out smaller than its real size once padded (a gap in the proof)"
+        if self.notes is not None:
+            self.notes.append(f"call {self.calls}: {self.withdrawn}; padding withdrawn, calls run unpadded")
+        return False
 
     def _forced(self, compiled: Callable, args: Sequence[Any]) -> Any:
         """A call whose sizes the code was not compiled for (a graph of the same frame that Dynamo specialized,

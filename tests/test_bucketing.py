@@ -478,3 +478,72 @@ def test_buckets_fit_waits_for_eight_sizes_then_pads_to_the_fitted_ladder():
     padded = [int(n.rsplit("=", 1)[1]) for n in _padded(rec)]
     # a fitted bucket, or a size's own power of two where the next bucket is further (7 -> 8, not 9)
     assert padded and set(padded) <= set(ladder) | {8, 16, 32, 64} and set(padded) & set(ladder), (padded, ladder)
+
+
+# The review of 2026-12-04 (an adversarial helper): eight graphs the proof passed whose padded runs were wrong, or
+# raised. Each is refused now, on the dim at fault, and the outputs equal eager's.
+class _Table(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.table, self.body = nn.Parameter(torch.randn(64, 16)), body
+
+    def forward(self, x):
+        return self.body(self, x)
+
+
+class _Int8Causal(nn.Module):  # positions cast to int8 wrap past 127: padded keys 128.. read as negative
+    def __init__(self, dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        i = torch.arange(x.shape[1]).to(self.dtype)
+        scores = (x @ x.transpose(1, 2)).masked_fill(i[None, :, None] < i[None, None, :], float("-inf"))
+        return scores.softmax(-1) @ x
+
+
+class _QueryKeyMaskPool(nn.Module):  # padded query rows see no key: NaN rows, then 0 * NaN in a masked mean
+    def forward(self, x, m):
+        m2 = m[:, :, None] & m[:, None, :]
+        h = (x @ x.transpose(1, 2)).masked_fill(~m2, float("-inf")).softmax(-1) @ x
+        w = m.unsqueeze(-1).float()
+        return (h * w).sum(1) / w.sum(1)
+
+
+_SMALL = [(3, 5), (2, 7), (5, 9)]
+
+
+@pytest.mark.parametrize("model, make, sizes, refused", [
+    (_Table(lambda m, x: x + m.table[x.shape[1]]), _x, _SMALL, "its argument index"),
+    (_Table(lambda m, x: x + m.table[64 - x.shape[1]:]), _x, _SMALL, "its argument start"),
+    (_Table(lambda m, x: x + m.table.roll(x.shape[1], 0)[:x.shape[1]]), _x, _SMALL, "its argument shifts"),
+    (lambda x: x[:, 0] + x.new_full((x.shape[0], 16), x.shape[1]), _x, _SMALL, "its argument fill_value"),
+    (lambda x: x[:, :, x.shape[1]:] * 2, _x, _SMALL, "its argument start"),  # raised in the slicing back
+    (lambda x: x.transpose(1, 2) @ (x - 0.5).pow(0.5), lambda b, s: (torch.rand(b, s, 16) + 1,), _SMALL,
+     "sums over a padded dim"),  # (-0.5) ** 0.5 at the zero padding is NaN
+    (_Int8Causal(torch.int8), lambda b, s: (torch.randn(b, s, 4),), [(2, 129), (1, 130)], "softmax over dim 2"),
+    (_Int8Causal(torch.bfloat16), lambda b, s: (torch.randn(b, s, 4),), [(1, 257), (1, 259)], "softmax over dim 2"),
+    (_QueryKeyMaskPool(), lambda b, s: (torch.randn(b, s, 16), torch.ones(b, s, dtype=torch.bool)), _SMALL,
+     "reduces (sum) over dim 1"),
+])
+def test_the_second_reviews_wrong_proofs_are_refused(model, make, sizes, refused):
+    rec, err = _run(model, make, sizes=sizes)
+    assert refused in " ".join(rec.notes) and "dim 1" in " ".join(rec.notes), rec.notes
+    assert err < 1e-4
+
+
+def test_a_table_sliced_to_the_sequence_length_is_still_a_prefix():
+    # a position table cut to the length (BERT's position ids): the end grows with the padding, the start is 0
+    rec, err = _run(_Table(lambda m, x: x + m.table[:x.shape[1]]), _x, sizes=_SMALL)
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 2 and err < 1e-5, rec.notes
+
+
+
+def test_an_output_smaller_than_its_real_size_withdraws_the_padding(monkeypatch):
+    # the safety net behind the proof: with the check of growing sizes switched off, x[:, :, s:] is "proven" and
+    # its padded output is narrower than the real one; the call runs unpadded instead and the report says why
+    from kpt_compiler.passes import _padding_proof
+
+    monkeypatch.setattr(_padding_proof._Prover, "sizes_only", lambda self, node, shapes: None)
+    rec, err = _run(lambda x: x[:, :, x.shape[1]:] * 2, _x, sizes=_SMALL)
+    assert err == 0 and any("smaller than its real size" in n for n in rec.notes), rec.notes
