@@ -18,6 +18,41 @@ from kpt_compiler import distributed, torch_ir as ir
 from . import _symbolic_masks as symbolic_masks
 
 
+# Measured in session 24 (benchmarks/results/nvidia-h200/2026-11-28-s24-sdpa-hidden-rows-f321ea3.txt and the CPU)
+HIDDEN_ROWS = ("a dense mask may hide a query row whole (a padded query): eager's softmax gives such a row the "
+               "average of every key's value, the fused SDPA kernels other values (on CUDA in the forward, on the "
+               "CPU in the gradients); rows it leaves a key are the same, so read only those (as a loss that "
+               "ignores padding does)")
+
+
+def hides_rows_in_training(a) -> bool:
+    """Whether attention ``a`` (whose dense mask may hide a query row whole) computes gradients through a mask
+    that has rows of its own (not one broadcast over the queries, which hides a row only where a whole sequence
+    is padding) and is built from the caller's data (an attention mask: left padding under a causal mask hides
+    every row before the first real token) or computed whole at compile time (then it does hide one). There the
+    fused kernels' gradients differ from eager's through the hidden rows, and a causal LM's shifted loss reads
+    one: the last left pad predicts the first real token (the review of 2026-12-04). A mask read from the
+    model's own buffers (a causal triangle) is not held to this."""
+    if not any(getattr(ir.example_value(n), "requires_grad", False) for n in (a.q, a.k, a.kt, a.v) if n is not None):
+        return False
+    for _, m, _ in a.masks:
+        shape = getattr(ir.example_value(m), "shape", ())
+        if len(shape) < 2 or shape[-2] == 1:
+            continue
+        seen, todo, sources = set(), [m], []
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo += n.all_input_nodes
+                if n.op == "placeholder":
+                    name = getattr(getattr(n.meta.get("grapharg"), "source", None), "name", "")
+                    sources.append((name() if callable(name) else name) or "")
+        if not sources or any("._buffers[" not in s and "._parameters[" not in s for s in sources):
+            return True
+    return False
+
+
 @dataclasses.dataclass
 class MaskForm:
     """What the masks amount to, when they depend on no input: "none"; "causal" (the top-left lower

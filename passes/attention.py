@@ -52,7 +52,7 @@ from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _attention_gate as gate, _attention_gqa as gqa_pack, _mask_provenance as provenance
 from ._attention_gate import Call
-from ._attention_masks import mask_kind
+from ._attention_masks import HIDDEN_ROWS, hides_rows_in_training, mask_kind
 from ._attention_match import Attention, Miss, match, scalar
 
 # torch 2.9's fake tensors cannot trace torch.tensor(python floats) inside flex_sdpa (the ALiBi coefficients)
@@ -69,6 +69,9 @@ class AttentionOptions:
     # "auto": on CUDA, rewrite where SDPA then runs a fused kernel (not its math backend); "measure" (the
     # default under mode="max-autotune"): time the call on the device against what runs instead; "always"
     decide: Literal["auto", "measure", "always"] = "auto"
+    # "auto": a dense mask that may hide a query row whole (left padding, causal) is left alone in graphs that
+    # compute gradients (the fused kernels change them through such rows), rewritten in others; "rewrite": in both
+    hidden_rows: Literal["auto", "rewrite"] = "auto"
     # SDPA over repeat_kv's copies at query lengths up to 64 runs over the key/value heads (passes/_attention_gqa.py)
     pack_gqa: bool = True
     # ... as SDPA over the packed query or FlexAttention over k, v as they are; "auto": flex under Inductor on sm_9x
@@ -127,13 +130,6 @@ def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
     return changed
 
 
-# Measured in session 24 (benchmarks/results/nvidia-h200/2026-11-28-s24-sdpa-hidden-rows-f321ea3.txt and the CPU)
-HIDDEN_ROWS = ("a dense mask may hide a query row whole (a padded query): eager's softmax gives such a row the "
-               "average of every key's value, the fused SDPA kernels other values (on CUDA in the forward, on the "
-               "CPU in the gradients); rows it leaves a key are the same, so read only those (as a loss that "
-               "ignores padding does)")
-
-
 @dataclasses.dataclass
 class _Run:
     """One run of the pass over a graph: what every rewrite needs."""
@@ -185,9 +181,8 @@ def _rewrite(run: _Run, a: Attention) -> bool:
         ctx.note(f"{a.softmax.name}: the mask depends on no input but could not be computed at compile time, so "
                  f"it stays a dense mask (not proven causal): {form.failed}")
     kind, window = form.kind, form.window
-    # FlexAttention for what SDPA cannot express (soft-capping, a bias computed from the positions) or cannot
-    # make fast (a sliding window: SDPA reads a dense mask and skips nothing); SDPA with the exact dense mask
-    # where FlexAttention cannot go.
+    # FlexAttention for what SDPA cannot express (soft-capping, a bias computed from the positions) or cannot make
+    # fast (a sliding window: SDPA reads a dense mask, skips nothing); SDPA with the exact dense mask elsewhere.
     wants_flex = a.softcap is not None or kind == "window" or form.bias is not None
     flex_why = _flex_unsupported(ctx, a.q, a.k if a.k is not None else a.kt, a.dropout, kind) if wants_flex \
         else "not needed"
@@ -195,6 +190,10 @@ def _rewrite(run: _Run, a: Attention) -> bool:
         flex_why = "on torch < 2.11 (its tracer cannot build the bias coefficients in the graph)"
     if a.softcap is not None and flex_why:
         ctx.near_miss(f"{a.softmax.name}: soft-capped attention {flex_why}")
+        return False
+    if kind == "tensor" and form.hides_rows and ctx.options.hidden_rows == "auto" and hides_rows_in_training(a):
+        ctx.near_miss(f"{a.softmax.name}: left as it is in a graph that computes gradients: {HIDDEN_ROWS}; "
+                      "hidden_rows='rewrite' rewrites it anyway")
         return False
     before = set(graph.nodes)
     with graph.inserting_before(a.out):

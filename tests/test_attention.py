@@ -24,6 +24,11 @@ def _qkv(requires_grad=False, heads_kv=H):
     return [t.requires_grad_(requires_grad) for t in (q, k, v)]
 
 
+# a mask the caller passes in, in a training graph: rewritten as in inference (these tests read masks that leave
+# every row a key; the default leaves such attention alone: test_a_caller_mask_that_may_hide_rows_...)
+REWRITE = {"attention": {"hidden_rows": "rewrite"}}
+
+
 def _compile(fn, options=None):
     return torch.compile(fn, backend="kernelpytorch", options={"codegen": "eager", **(options or {})})
 
@@ -89,7 +94,7 @@ def test_causal_from_a_tril_buffer_masked_fill_minus_inf():
     mask = _causal_tril()
     # the buffer is a graph input, so its triangle is not proven: an exact boolean attn_mask instead
     rec = _check(lambda q, k, v, m: F.softmax((q @ k.transpose(-2, -1) / 4.0).masked_fill(~m, float("-inf")), -1) @ v,
-                 extra=(mask,), causal=0)
+                 extra=(mask,), causal=0, options=REWRITE)
     assert "attn_mask drop" in rec.notes[0]
 
 
@@ -101,7 +106,7 @@ def test_causal_gpt2_style_where_with_dtype_minimum():
         w = torch.where(m, w, torch.finfo(w.dtype).min)
         return torch.matmul(F.softmax(w, dim=-1).type(v.dtype), v)
 
-    _check(gpt2, extra=(mask,), causal=0)
+    _check(gpt2, extra=(mask,), causal=0, options=REWRITE)
 
 
 def test_causal_mask_built_in_the_graph_is_proven_and_dropped():
@@ -145,14 +150,16 @@ def test_additive_padding_mask_bert_style():
 def test_boolean_mask_with_where_minus_inf():
     keep = torch.rand(B, 1, L, L, generator=torch.Generator().manual_seed(1)) > 0.3
     keep[..., 0] = True  # no fully masked row (eager gives NaN there)
-    _check(lambda q, k, v, m: F.softmax(torch.where(m, q @ k.transpose(-1, -2), float("-inf")), -1) @ v, extra=(keep,))
+    _check(lambda q, k, v, m: F.softmax(torch.where(m, q @ k.transpose(-1, -2), float("-inf")), -1) @ v, extra=(keep,),
+           options=REWRITE)
 
 
 def test_alibi_style_bias_is_an_exact_float_mask():
     slopes = torch.tensor([0.5, 0.25, 0.125]).view(1, H, 1, 1)
     pos = torch.arange(L)
     bias = -(slopes * (pos[None, :] - pos[:, None]).abs()).float()
-    rec = _check(lambda q, k, v, b: F.softmax(q @ k.transpose(-2, -1) * 0.25 + b, dim=-1) @ v, extra=(bias,))
+    rec = _check(lambda q, k, v, b: F.softmax(q @ k.transpose(-2, -1) * 0.25 + b, dim=-1) @ v, extra=(bias,),
+                 options=REWRITE)
     assert "attn_mask add" in rec.notes[0]
 
 
@@ -353,7 +360,7 @@ def test_mask_in_a_wider_dtype_would_change_precision():
 def test_mask_in_a_narrower_dtype_is_cast_exactly():
     mask = torch.zeros(1, 1, L, L, dtype=torch.bfloat16)
     mask[..., -2:] = -1e4
-    _check(lambda q, k, v, m: F.softmax(q @ k.transpose(-2, -1) + m, -1) @ v, extra=(mask,))
+    _check(lambda q, k, v, m: F.softmax(q @ k.transpose(-2, -1) + m, -1) @ v, extra=(mask,), options=REWRITE)
 
 
 # --------------------------------------------------------------------------------------------- options, models
@@ -578,3 +585,24 @@ def test_the_report_warns_of_query_rows_hidden_whole_only_where_a_row_may_be():
 
     rec = _check(first_row_hidden, causal=0, train=False)  # the CPU's fused backward differs on that row
     assert rec.notes.count(HIDDEN_ROWS) == 1, rec.notes
+
+
+def test_a_caller_mask_that_may_hide_rows_is_left_alone_in_training_and_rewritten_in_inference():
+    """Left padding under a causal mask (transformers' eager style, the dtype's lowest) hides every row before the
+    first real token. The fused kernels' gradients differ from eager's through those rows, and a causal LM's
+    shifted loss reads the last of them (the review of 2026-12-04): in a graph that computes gradients the
+    attention stays eager's, unless hidden_rows='rewrite'; without gradients it is rewritten."""
+    keep = torch.tril(torch.ones(L, L, dtype=torch.bool)).expand(B, 1, L, L).clone()
+    keep[1, ..., :3] = False  # the second sequence's first three tokens are padding
+    mask = torch.zeros(B, 1, L, L).masked_fill(~keep, torch.finfo(torch.float32).min)
+
+    def attn(q, k, v, m):
+        return F.softmax(q @ k.transpose(-2, -1) * 0.25 + m, dim=-1) @ v
+
+    rec = _check(attn, extra=(mask,), matches=0)  # the loss reads every row: gradients as eager's
+    assert any("computes gradients" in n and "hidden_rows='rewrite'" in n for n in rec.notes), rec.notes
+    rec = _check(attn, extra=(mask,), train=False)
+    assert rec.matches == 1
+    q, k, v = _qkv(requires_grad=True)
+    _compile(attn, REWRITE)(q, k, v, mask).sum().backward()
+    assert kpt_compiler.last_report().pass_record("attention").matches == 1
