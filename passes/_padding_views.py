@@ -299,6 +299,8 @@ def _index(p: _Prover, node: fx.Node, shape: tuple) -> AV:
 @_rule(aten.cat)
 def _cat(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     parts = [p.av(a) for a in node.args[0]]
+    # torch skips a 1-D empty part whatever the others' rank (transformers' legacy cache, torch.tensor([]))
+    parts = [a for a in parts if len(a.shape) == len(shape) or a.shape != (0,)] or parts
     dim = _dim(node.args[1] if len(node.args) > 1 else 0, len(shape))
     # along a padded dim, only the last part may be padded (its positions stay after every real one)
     padded_parts = [i for i, a in enumerate(parts) if _syms(a.shape[dim], p.padded)]

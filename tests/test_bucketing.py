@@ -547,3 +547,15 @@ def test_an_output_smaller_than_its_real_size_withdraws_the_padding(monkeypatch)
     monkeypatch.setattr(_padding_proof._Prover, "sizes_only", lambda self, node, shapes: None)
     rec, err = _run(lambda x: x[:, :, x.shape[1]:] * 2, _x, sizes=_SMALL)
     assert err == 0 and any("smaller than its real size" in n for n in rec.notes), rec.notes
+
+
+class _LegacyEmptyCache(nn.Module):  # transformers' legacy cache starts as torch.tensor([]) and is concatenated to
+    def forward(self, x):
+        past = x.new_zeros(0)  # a 1-D empty tensor: torch.cat skips it whatever the other parts' rank
+        return torch.cat([past, x], dim=1).cumsum(1)
+
+
+def test_a_one_dimensional_empty_part_of_a_cat_is_skipped_as_torch_skips_it():
+    # a third review's find: the proof indexed the empty part's dim 1 and raised (the pass rolled back, unpadded)
+    rec, err = _run(_LegacyEmptyCache(), _x, sizes=_SMALL)
+    assert rec.status == "applied" and rec.stats["padded_dims"] == 2 and err < 1e-5, rec.notes
