@@ -167,14 +167,6 @@ class _Prover:
     def fail(self, node, message, symbols=()):
         raise Unprovable(node, message, symbols)
 
-    def sym_value_used(self, node: fx.Node, value: Any, what: str) -> None:
-        """A symbolic int, float or bool given as a value, not a size: the result depends on the padded size."""
-        v = value.meta.get("val") if isinstance(value, fx.Node) else None
-        if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-            s = _syms(v.node.expr, self.padded)
-            if s:
-                self.fail(node, f"{what} is computed from the padded size {', '.join(map(str, s))}", s)
-
     def sizes_only(self, node: fx.Node, shapes: list[tuple]) -> None:
         """Padded sizes may reach an op only as sizes (a view's, a new tensor's, an arange's or a slice's end),
         each growing with the padding, and the op's result may only grow where padded: an index, a start, a

@@ -145,8 +145,6 @@ def _dtype(a: Any) -> Any:
 def _pointwise(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     operands = [a for a in node.args] + [v for k, v in node.kwargs.items() if k in ("other", "value", "self")]
     tensors = [a for a in operands if isinstance(a, fx.Node) and isinstance(p.av(a), AV)]
-    for a in operands:
-        p.sym_value_used(node, a, "an operand")
     out = AV(shape)
     nd, nan_fill = len(shape), False
     for a in tensors:  # dims kept position for position keep what they were merged from

@@ -230,8 +230,6 @@ def _select(p: _Prover, node: fx.Node, shape: tuple) -> AV:
 def _arange(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     args = [a for a in node.args]
     start, end, step = (0, args[0], 1) if len(args) == 1 else (args[0], args[1], args[2] if len(args) > 2 else 1)
-    for v, what in ((start, "the start of an arange"), (step, "the step of an arange")):
-        p.sym_value_used(node, v, what)
     out = AV(shape)
     if isinstance(start, int) and step == 1 and node.meta["val"].dtype in EXACT_POSITIONS:
         out.pos[0] = start
@@ -247,7 +245,6 @@ def _creation(p: _Prover, node: fx.Node, shape: tuple) -> AV:
     if packet in (aten.full, aten.new_full, aten.full_like, aten.scalar_tensor):
         value = node.args[0] if packet is aten.scalar_tensor else node.args[2] if packet is aten.new_full \
             else node.args[1]  # new_full(self, size, fill_value)
-        p.sym_value_used(node, value, "the fill value")
     dtype = node.meta["val"].dtype
     if value is not None and dtype == torch.bool:
         value = bool(value)
