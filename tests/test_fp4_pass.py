@@ -232,7 +232,7 @@ def test_the_committed_tables_take_decoding_sizes_and_decline_prefill_sizes(monk
     """The H200's tables (benchmarks/calibrate.py at a224583, 2026-11-29, committed in 84d5802): NVFP4 through the
     CUDA form at M=1-16, 1.96-2.06x bf16 cuBLAS at M=1-4 and 1.23x at M=16 at this shape (N x K 14336x4096);
     MXFP4 through the Triton forms, 1.79x at M=1 and 0.87x at M=16 here. At M=256 both are about 3x slower. The
-    H100's NVFP4 table (s38 at 15f3e23, 2026-12-06): 2.63x at M=1 and 2.38x at M=16 at 4096x14336, 0.33x at M=256;
+    H100's NVFP4 table (s38 at 15f3e23, 2026-12-06): 2.63x at M=1 and 2.38x at M=16 at K=4096, N=14336, 0.33x at M=256;
     its MXFP4 table is not measured since 7193f79 (the call's timeout cut that table), so there "auto" declines.
     Another card has no table."""
     from kpt_compiler import cost_model as cm
