@@ -21,7 +21,9 @@ sizes (checked before it would compile, ``why_not``) is never compiled and runs 
   evaluated at the other's (ints, or its own symbols: sympy expressions compared after substitution, so the
   program is the same at every size the other graph takes; a size the dynamic graph derives, 2*s, must be
   that expression here too; a forward that branches on batch 1, breaks the graph there, or reads a global that
-  changed since is another program);
+  changed since is another program; a view that is the identity at those sizes, expand/view/reshape to its
+  input's own shape, is left out on both sides: transformers' Llama expands its positions to the batch except
+  at batch 1);
 - the first served call is checked against the graph run as it is (eagerly, as the deferred compile runs it):
   outputs of other structure, shapes or dtypes, or values off by more than the dtype's tolerance, and the graph
   runs its own code from then on. The report says which.
@@ -39,7 +41,7 @@ import torch.fx as fx
 from kpt_compiler.bench import relative_error
 
 from ._bucket_inputs import _guards_hold, _value
-from ._graph_structure import _evaluated, _fake, _Size, _source, _structure, _sympified
+from ._graph_structure import _evaluated, _fake, _program, _Size, _source, _structure, _sympified
 
 
 class CannotServe(Exception):
@@ -213,7 +215,8 @@ class Served:
         mapping = _Mapping(self.sources, self.fakes, dyn)
         if mapping.why:
             return mapping.why
-        if self.structure is None or _evaluated(dyn.structure, _sympified(mapping.symbolic)) != self.structure:
+        if self.structure is None or (_program(_evaluated(dyn.structure, _sympified(mapping.symbolic)))
+                                      != _program(self.structure)):
             return "it is not the dynamic graph's program at its sizes (another op, constant or output)"
         self.mapping, self.sizes = mapping, {}  # only once it is checked
         return None

@@ -37,6 +37,18 @@ class _Node:
     index: int
 
 
+@dataclasses.dataclass(frozen=True)
+class _View:  # a view op with its input's and its output's sizes: the identity, left out, where they are equal
+    entry: tuple
+    sizes: tuple
+
+
+# ops whose output is their first argument's values under another shape: equal shapes, the same tensor's values
+# (transformers' Llama expands its positions to the batch except at batch 1, where Dynamo's graph has no expand)
+_VIEWS = {("call_method", "expand"), ("call_method", "view"), ("call_method", "reshape"),
+          ("call_function", torch.reshape)}
+
+
 def _structure(gm: fx.GraphModule) -> list | None:
     """The graph node for node, sizes as values: ``_Size(expr)`` for a dynamic size (a SymInt node or argument),
     the int itself in a static graph; inputs by their source, other nodes by their place. Two graphs of one frame
@@ -75,7 +87,38 @@ def _structure(gm: fx.GraphModule) -> list | None:
             where[node] = v  # a size a static graph computed
             continue
         if node.op != "placeholder":
-            out.append((node.op, node.target, arg(node.args), arg(node.kwargs)))
+            entry = (node.op, node.target, arg(node.args), arg(node.kwargs))
+            first = node.args[0] if node.args else None
+            if (node.op, node.target) in _VIEWS and isinstance(first, fx.Node) and isinstance(v, torch.Tensor) \
+                    and isinstance(first.meta.get("example_value"), torch.Tensor):
+                entry = _View(entry, (_sizes(first.meta["example_value"]), _sizes(v)))
+            out.append(entry)
+    return out
+
+
+def _sizes(t: torch.Tensor) -> tuple:
+    return tuple(_Size(s.node.expr) if isinstance(s, torch.SymInt) else int(s) for s in t.shape)
+
+
+def _program(structure: list) -> list:
+    """``structure`` (evaluated at the sizes compared) without the views that are identities there: a reference
+    to one becomes a reference to its input, and the nodes after it are renumbered."""
+    out: list = []
+    at: dict[int, Any] = {}  # old index -> what refers to it now
+
+    def ref(a: Any) -> Any:
+        if isinstance(a, _Node):
+            return at[a.index]
+        return tuple(ref(x) for x in a) if isinstance(a, tuple) else a
+
+    for i, entry in enumerate(structure):
+        if isinstance(entry, _View):
+            if entry.sizes[0] == entry.sizes[1]:
+                at[i] = ref(entry.entry[2][1][0])  # args: ("tuple", (first, ...))
+                continue
+            entry = entry.entry
+        at[i] = _Node(len(out))
+        out.append(ref(entry))
     return out
 
 
@@ -85,6 +128,8 @@ def _evaluated(a: Any, values: dict) -> Any:
     if isinstance(a, _Size):
         r = a.expr.xreplace(values)
         return int(r) if r.is_number else _Size(r)
+    if isinstance(a, _View):
+        return _View(_evaluated(a.entry, values), _evaluated(a.sizes, values))
     if isinstance(a, tuple):
         return tuple(_evaluated(x, values) for x in a)
     if isinstance(a, list):

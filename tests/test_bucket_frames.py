@@ -194,6 +194,39 @@ def test_batch_1_with_the_sequence_dynamic_is_served_without_a_compile():
     assert not any("not served" in n for n in one.notes), one.notes
 
 
+class ExpandsPositions(Rows):
+    """transformers' Llama: positions [1, s] expanded to the batch except at batch 1, where the batch-1 graph has
+    no expand and the dynamic graph's expand to (1, s) is the identity."""
+
+    def forward(self, x):
+        pos = torch.arange(x.shape[1], dtype=x.dtype)[None]
+        if x.shape[0] != 1:
+            pos = pos.expand(x.shape[0], -1)
+        return super().forward(x + 0.01 * pos[..., None])
+
+
+class ViewsOtherwiseAtOne(Rows):
+    """At batch 1 a view that is not the identity there (features split in two): another program."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y.reshape(1, y.shape[1], 2, -1) if x.shape[0] == 1 else y
+
+
+def test_a_view_that_is_the_identity_at_batch_1_does_not_stop_serving():
+    """Without the identity views left out of the comparison, ExpandsPositions' batch-1 graph is another program
+    and compiles its own code (transformers' Llama did on the H100: 12.9 s of its stream's pass 1, s38)."""
+    reports = _stream_2d(ExpandsPositions().eval(), [(3, 6), (4, 8), (1, 10), (1, 12), (1, 6), (1, 30)])
+    assert len(reports) == 3
+    one = reports[2]
+    assert "joint" not in one.stages, one.notes  # never compiled
+    assert any(n.startswith("served by the frame's bucketed dynamic graph") for n in one.notes), one.notes
+    assert not any("not served" in n for n in one.pass_record("bucketing").notes), one.pass_record("bucketing").notes
+    reports = _stream_2d(ViewsOtherwiseAtOne().eval(), [(3, 6), (4, 8), (1, 10), (1, 12), (1, 6), (1, 30)])
+    assert any("not served by the frame's bucketed dynamic graph: it is not the dynamic graph's program" in n
+               for n in reports[2].pass_record("bucketing").notes), reports[2].pass_record("bucketing").notes
+
+
 def test_batch_1_with_the_sequence_dynamic_that_is_another_program_compiles_at_once():
     """Refused by structure before its compile (transformers' GPT-2 takes another path at batch 1): compiled as
     any dynamic graph, not deferred."""
