@@ -229,7 +229,7 @@ class BucketGraphs:
             if ms is None:
                 return "no estimate of its device time on this card; decide='always' captures anyway"
             if ms >= self.settings.launch_bound_ms:
-                return (f"estimated {ms:.3f} ms on the device, not under launch_bound_ms="
+                return (f"estimated {ms:.3f} ms or more on the device, not under launch_bound_ms="
                         f"{self.settings.launch_bound_ms}: launches do not dominate")
         return None
 
