@@ -40,8 +40,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import weakref
 from typing import Any, Literal, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 
@@ -305,7 +307,49 @@ def bucket_ms(gm: fx.GraphModule, sizes: dict, ceilings: dict, bound_ms: float) 
     least = roofline_ms(0.0, written, params, ceilings)
     if least >= bound_ms:
         return least
-    return roofline_ms(_count_flops(gm, _fake_inputs(gm, sizes), sizes), written, params, ceilings)
+    expr = _flops_expr(gm)
+    flops = expr.xreplace({s: sympy.Integer(v) for s, v in sizes.items()}) if expr is not None else None
+    if flops is None or not flops.is_number:  # no expression, or one of sizes not given: a count at these
+        flops = _count_flops(gm, _fake_inputs(gm, sizes), sizes)
+    return roofline_ms(float(flops), written, params, ceilings)
+
+
+_FLOPS_EXPR: "weakref.WeakKeyDictionary[fx.GraphModule, Any]" = weakref.WeakKeyDictionary()
+
+
+def _flops_expr(gm: fx.GraphModule) -> Any:
+    """The graph's FLOPs as a sympy expression of its dynamic sizes, counted once (a bucket substitutes its sizes):
+    the graph run under torch's FLOP counter on Dynamo's own symbolic fake values, in their fake mode, guards
+    suppressed. None where that run fails or the graph has no dynamic size (then each bucket counts its own)."""
+    if gm not in _FLOPS_EXPR:
+        _FLOPS_EXPR[gm] = None
+        try:
+            _FLOPS_EXPR[gm] = _symbolic_count(gm)
+        except Exception:  # noqa: BLE001 - an op the symbolic run does not take: per-bucket counts instead
+            pass
+    return _FLOPS_EXPR[gm]
+
+
+def _symbolic_count(gm: fx.GraphModule) -> Any:
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.utils.flop_counter import FlopCounterMode
+
+    values = [ir.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
+    mode = next((v.fake_mode for v in values if isinstance(v, torch._subclasses.FakeTensor)), None)
+    env = getattr(mode, "shape_env", None)
+    if env is None or not any(isinstance(s, torch.SymInt) for v in values if isinstance(v, torch.Tensor)
+                              for s in v.shape):
+        return None
+    stand_ins = any(hasattr(n.target, "flop_standin") for n in gm.graph.nodes if n.op == "call_function")
+    real_ok, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True  # constants our passes added
+    try:
+        with mode, enable_python_dispatcher(), env.suppress_guards(), torch.no_grad(), \
+                FlopCounterMode(display=False) as counter:
+            _StandIns(gm).run(*values) if stand_ins else gm(*values)
+    finally:
+        mode.allow_non_fake_inputs = real_ok
+    total = counter.get_total_flops()
+    return total.node.expr if isinstance(total, torch.SymInt) else sympy.Integer(int(total))
 
 
 def _bytes(gm: fx.GraphModule, sizes: dict | None = None) -> tuple[int, int]:

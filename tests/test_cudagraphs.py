@@ -9,6 +9,7 @@ import torch.nn as nn
 import kpt_compiler
 from kpt_compiler import OptionError
 from kpt_compiler import backend as backend_module
+from kpt_compiler import torch_ir as ir
 from kpt_compiler.cost_model import CostModel
 from kpt_compiler.passes import cudagraphs as cg
 from kpt_compiler.registry import PassContext
@@ -188,6 +189,41 @@ def test_a_bucket_too_big_on_its_bytes_is_not_flop_counted(monkeypatch):
     monkeypatch.setattr(cg, "_count_flops", lambda *a, **k: counted.append(1) or count(*a, **k))
     assert cg.bucket_ms(gm, {}, ceilings, least) == least and not counted
     assert cg.bucket_ms(gm, {}, ceilings, least * 1.01) == full and counted
+
+
+class Attention(nn.Module):
+    """FLOPs quadratic in the sequence: a symbolic count must carry s**2, not a linear fit."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.qkv = nn.Linear(d, 3 * d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+@pytest.mark.parametrize("model", [Mlp, Attention])
+def test_a_buckets_flops_come_from_one_symbolic_count(model, monkeypatch):
+    """A bucketed graph's FLOPs are counted once as an expression of its dynamic sizes and each bucket substitutes
+    its own: equal to a count at the bucket's sizes, with no fake-tensor run per bucket."""
+    gm = _graph(model().eval(), torch.randn(3, 5, 256 if model is Mlp else 64), dynamic=True)
+    ceilings = _ctx().cost_model.calibration.ceilings if _ctx().cost_model.calibration else None
+    if ceilings is None:
+        pytest.skip("no H100 calibration committed")
+    symbols = sorted({s for n in gm.graph.nodes if n.op == "placeholder"
+                      for s in getattr(ir.example_value(n), "shape", ()) if isinstance(s, torch.SymInt)
+                      for s in [s.node.expr] if s.is_symbol}, key=str)
+    assert len(symbols) == 2, symbols
+    buckets = [dict(zip(symbols, b)) for b in ((64, 512), (256, 1024), (128, 4096))]
+    expected = [cg.roofline_ms(cg._count_flops(gm, cg._fake_inputs(gm, b), b), *cg._bytes(gm, b), ceilings)
+                for b in buckets]
+    assert len(set(expected)) == 3
+    count = cg._count_flops
+    monkeypatch.setattr(cg, "_count_flops", lambda *a, **k: (_ for _ in ()).throw(AssertionError("counted")))
+    assert [cg.bucket_ms(gm, b, ceilings, 1e9) for b in buckets] == pytest.approx(expected, rel=1e-12)
+    monkeypatch.setattr(cg, "_count_flops", count)
+    assert cg.bucket_ms(gm, {symbols[0]: 4}, ceilings, 1e9) > 0  # a size not given: counted at the example's
 
 
 def test_auto_leaves_a_graph_whose_output_copy_would_cost_too_much():
