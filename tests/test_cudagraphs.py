@@ -160,14 +160,19 @@ def test_auto_leaves_a_graph_too_big_on_its_bytes_without_counting_its_flops(mon
     assert "could not be estimated (AssertionError: FLOPs counted)" in cg._too_big(small, _ctx(), None)
 
 
-def test_auto_counts_the_flops_where_the_bytes_alone_leave_the_graph_under_the_bound():
+def _bytes_and_full_ms():
+    """A graph whose FLOPs are most of its time (4.4 TFLOP), the H100's ceilings, its time on its bytes alone and
+    with its FLOPs."""
     gm = _graph(Mlp(2048, 8192), torch.randn(64, 1024, 2048))
     ctx = _ctx()
     if ctx.cost_model.calibration is None:
         pytest.skip("no H100 calibration committed")
     ceilings = ctx.cost_model.calibration.ceilings
-    least = cg.roofline_ms(0.0, *cg._bytes(gm), ceilings)
-    full = cg.roofline_ms(*cg.estimate(gm), ceilings)
+    return gm, ceilings, cg.roofline_ms(0.0, *cg._bytes(gm), ceilings), cg.roofline_ms(*cg.estimate(gm), ceilings)
+
+
+def test_auto_counts_the_flops_where_the_bytes_alone_leave_the_graph_under_the_bound():
+    gm, _, least, full = _bytes_and_full_ms()
     assert full > 1.5 * least  # 4.4 TFLOP: the FLOPs are most of its time
     why = cg._too_big(gm, _ctx(launch_bound_ms=(least + full) / 2), cg._outputs_in_pool(gm))
     assert why and "GFLOP" in why and "not under launch_bound_ms" in why and "bytes alone" not in why, why
@@ -177,13 +182,7 @@ def test_a_bucket_too_big_on_its_bytes_is_not_flop_counted(monkeypatch):
     """Per bucket (bucketing's graphs) as for a whole graph: the FLOP count, a fake-tensor run per new bucket (8.8
     s of the Llama stream's pass 1 under cProfile, s39), runs only where the bytes leave the bucket under the
     bound, and then adds to them."""
-    gm = _graph(Mlp(2048, 8192), torch.randn(64, 1024, 2048))
-    ctx = _ctx()
-    if ctx.cost_model.calibration is None:
-        pytest.skip("no H100 calibration committed")
-    ceilings = ctx.cost_model.calibration.ceilings
-    least = cg.roofline_ms(0.0, *cg._bytes(gm), ceilings)
-    full = cg.roofline_ms(*cg.estimate(gm), ceilings)
+    gm, ceilings, least, full = _bytes_and_full_ms()
     counted = []
     count = cg._count_flops
     monkeypatch.setattr(cg, "_count_flops", lambda *a, **k: counted.append(1) or count(*a, **k))
