@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-import weakref
 from typing import Any, Literal, Sequence
 
 import sympy
@@ -51,6 +50,7 @@ from kpt_compiler import graph_utils, torch_ir as ir
 from kpt_compiler.registry import PassContext, graph_pass
 
 from ._bucket_graphs import own_capture, per_bucket
+from ._flops import _count_flops, _flops_expr, _int
 from ._cudagraph_log import SkipLog as _SkipLog
 from ._cudagraph_log import listening as _listening
 
@@ -314,44 +314,6 @@ def bucket_ms(gm: fx.GraphModule, sizes: dict, ceilings: dict, bound_ms: float) 
     return roofline_ms(float(flops), written, params, ceilings)
 
 
-_FLOPS_EXPR: "weakref.WeakKeyDictionary[fx.GraphModule, Any]" = weakref.WeakKeyDictionary()
-
-
-def _flops_expr(gm: fx.GraphModule) -> Any:
-    """The graph's FLOPs as a sympy expression of its dynamic sizes, counted once (a bucket substitutes its sizes):
-    the graph run under torch's FLOP counter on Dynamo's own symbolic fake values, in their fake mode, guards
-    suppressed. None where that run fails or the graph has no dynamic size (then each bucket counts its own)."""
-    if gm not in _FLOPS_EXPR:
-        _FLOPS_EXPR[gm] = None
-        try:
-            _FLOPS_EXPR[gm] = _symbolic_count(gm)
-        except Exception:  # noqa: BLE001 - an op the symbolic run does not take: per-bucket counts instead
-            pass
-    return _FLOPS_EXPR[gm]
-
-
-def _symbolic_count(gm: fx.GraphModule) -> Any:
-    from torch._dispatch.python import enable_python_dispatcher
-    from torch.utils.flop_counter import FlopCounterMode
-
-    values = [ir.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = next((v.fake_mode for v in values if isinstance(v, torch._subclasses.FakeTensor)), None)
-    env = getattr(mode, "shape_env", None)
-    if env is None or not any(isinstance(s, torch.SymInt) for v in values if isinstance(v, torch.Tensor)
-                              for s in v.shape):
-        return None
-    stand_ins = any(hasattr(n.target, "flop_standin") for n in gm.graph.nodes if n.op == "call_function")
-    real_ok, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True  # constants our passes added
-    try:
-        with mode, enable_python_dispatcher(), env.suppress_guards(), torch.no_grad(), \
-                FlopCounterMode(display=False) as counter:
-            _StandIns(gm).run(*values) if stand_ins else gm(*values)
-    finally:
-        mode.allow_non_fake_inputs = real_ok
-    total = counter.get_total_flops()
-    return total.node.expr if isinstance(total, torch.SymInt) else sympy.Integer(int(total))
-
-
 def _bytes(gm: fx.GraphModule, sizes: dict | None = None) -> tuple[int, int]:
     """(bytes the graph's ops write, bytes of the tensors it reads): ``estimate`` without the FLOPs."""
     written, inputs = 0, 0
@@ -369,45 +331,6 @@ def _fake_inputs(gm: fx.GraphModule, sizes: dict | None = None) -> list[Any]:
     """The recorded example inputs, dynamic scalar sizes as ints at ``sizes``."""
     values = [ir.example_value(n) for n in gm.graph.nodes if n.op == "placeholder"]
     return [_int(v, sizes) if isinstance(v, torch.SymInt) else v for v in values]
-
-
-def _int(size: Any, sizes: dict | None) -> int:
-    """A size as an int: a dynamic one at ``sizes`` (symbol -> int) where they give it, else its example's."""
-    if not isinstance(size, torch.SymInt):
-        return int(size)
-    expr = size.node.expr
-    if sizes:
-        import sympy
-
-        expr = expr.xreplace({s: sympy.Integer(v) for s, v in sizes.items()})
-    if expr.is_number:
-        return int(expr)
-    return int(size.node.hint)
-
-
-def _count_flops(gm: fx.GraphModule, values: list[Any], sizes: dict | None = None) -> float:
-    """The graph run once under torch's FLOP counter, on fresh fake tensors of the recorded shapes (the recorded
-    values may come from several fake modes once passes have added nodes, which FakeTensorMode refuses to mix)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fakes = [torch.empty_strided([_int(s, sizes) for s in v.shape], [_int(s, sizes) for s in v.stride()],
-                                     dtype=v.dtype, device=v.device)
-                 if isinstance(v, torch.Tensor) else v for v in values]
-        stand_ins = any(hasattr(n.target, "flop_standin") for n in gm.graph.nodes if n.op == "call_function")
-        with FlopCounterMode(display=False) as counter, torch.no_grad():
-            _StandIns(gm).run(*fakes) if stand_ins else gm(*fakes)  # the interpreter only where it is needed
-    del mode
-    return float(counter.get_total_flops())
-
-
-class _StandIns(fx.Interpreter):
-    """The graph run with each function that names a ``flop_standin`` (one with the same FLOPs that torch's FLOP
-    counter can run: kernels/flex_attention.py's) called in its place."""
-
-    def call_function(self, target, args, kwargs):
-        return getattr(target, "flop_standin", target)(*args, **kwargs)
 
 
 _VIEWS = {"view", "reshape", "transpose", "permute", "expand", "unsqueeze", "squeeze", "flatten", "contiguous",
