@@ -89,8 +89,6 @@ class Plan:
     buckets: tuple[int, ...] | str | None  # str: "fit", until fitted (then ``ladders``)
     shape_env: Any = None
     withdrawn: str | None = None  # a later pass made padding unsafe (the fp8 pass's tensorwise scales)
-    # the graph is served by its frame's dynamic graph and never compiled (passes/_bucket_frames.py): no captures
-    served_elsewhere: bool = False
     seen: dict[tuple, bool] = dataclasses.field(default_factory=dict)  # bucket -> the guards hold there
     notes: list[str] | None = None
     calls: int = 0
@@ -278,11 +276,19 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
             ctx.note(f"not padded: on by default for CUDA inference only ({off}); options={{'bucketing': True}} asks "
                      "for it")
             return False
+    key = frames.frame_key(ctx) if ctx.is_inference else None
+    served = frames.prepared(gm, key, ctx.example_inputs) if frames.known(key) and graph_utils.has_dynamic_sizes(
+        gm) else None
+    if isinstance(served, frames.Served):  # batch 1, the sequence dynamic: no proof of its own (seconds of tracing)
+        gm.meta["kpt_served"] = True
+        _serve(gm, ctx, key, served)
+        ctx.note("no padding proof of its own: its calls run the dynamic graph's code, padded as that graph's proof "
+                 "allows")
+        return True
     plan, why = make_plan(gm, ctx)
     if plan is None:
         ctx.note(f"not padded: {why}")
         if ctx.explicit and ctx.is_inference and not graph_utils.has_dynamic_sizes(gm):
-            key = frames.frame_key(ctx)
             if ctx.options.compile_static_after > 1:
                 ctx.defer_compile(ctx.options.compile_static_after)
                 ctx.note(f"compile deferred to call {ctx.options.compile_static_after}: Dynamo makes this graph for "
@@ -291,14 +297,10 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
                 _serve(gm, ctx, key)
         return False
     gm.meta["kpt_bucketing"] = plan
-    key = frames.frame_key(ctx) if ctx.is_inference else None
-    if not frames.known(key):
+    if served is None:
         frames.register(ctx, gm, plan)
-    elif isinstance(served := frames.prepared(gm, key, ctx.example_inputs), str):
+    else:
         ctx.note(f"not served by the frame's bucketed dynamic graph: {served}; compiled")
-    else:  # batch 1, the sequence dynamic
-        plan.served_elsewhere = True
-        _serve(gm, ctx, key, served)
     plan.after_shapes = ctx.options.after_shapes if ctx.explicit else AUTO_AFTER_SHAPES
     ctx.count("padded_dims", len(plan.symbols))
     rungs = "powers of two" if plan.buckets is None else "a ladder fitted to the sizes met" if plan.buckets == "fit" \

@@ -103,7 +103,7 @@ def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
         ctx.note(f"not captured: {why}")
         return False
     plan = _bucketing_plan(gm)
-    if plan is not None and plan.served_elsewhere:
+    if gm.meta.get("kpt_served"):  # passes/_bucket_frames.py: never compiled
         ctx.note("not captured: the frame's dynamic graph serves this one, and its buckets are captured there; "
                  "calls it cannot take run this graph as it is (eagerly), uncaptured")
         return False
