@@ -39,9 +39,10 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _run_pass(fn, inputs: list[tuple], refs: dict[int, torch.Tensor], device: str,
-              mark_step: bool) -> tuple[float, list[float], int | None]:
+              mark_step: bool, call_s: list[float] | None = None) -> tuple[float, list[float], int | None]:
     """(seconds of the stream, the checked calls' errors, peak bytes): the checks are outside the timed spans
-    and the peak (reset after each check)."""
+    and the peak (reset after each check). ``call_s`` gets each call's host seconds, from the call to its return
+    (no sync: the device's queued work is not in it; compiles, traces and captures are)."""
     from kpt_compiler.bench import first_tensor
 
     from .measure import sync
@@ -53,7 +54,10 @@ def _run_pass(fn, inputs: list[tuple], refs: dict[int, torch.Tensor], device: st
     for i, x in enumerate(inputs):
         if mark_step:  # a new iteration for CUDA graph trees: the previous call's outputs are dead
             torch.compiler.cudagraph_mark_step_begin()
+        start = time.perf_counter()
         out = first_tensor(fn(*x))
+        if call_s is not None:
+            call_s.append(time.perf_counter() - start)
         if i in refs:
             sync(device)
             seconds += time.perf_counter() - t0
@@ -148,9 +152,12 @@ def run_one(args: argparse.Namespace, mode: str, model_name: str) -> dict[str, A
             later = []  # pass 2, repeated: the steady state, with its noise
             for n in range(1, 2 + max(1, getattr(args, "pass2_repeats", 1))):
                 phase = f"pass {n}"
-                seconds, errs, p = _run_pass(fn, inputs, refs, device, mark_step=bool(kwargs) and device == "cuda")
+                call_s: list[float] = []
+                seconds, errs, p = _run_pass(fn, inputs, refs, device, mark_step=bool(kwargs) and device == "cuda",
+                                             call_s=call_s)
                 if n == 1:
                     row["pass1_s"] = round(seconds, 4)
+                    row["pass1_call_s"] = [round(t, 4) for t in call_s]
                 else:
                     later.append(round(seconds, 4))
                 errors += errs

@@ -216,7 +216,20 @@ def table(record: dict[str, Any]) -> str:
                          if r.get("buckets_used") is not None else "")
                       + (f"; deferred: {', '.join(format(t, 'g') for t in r['deferred_compile_s'])}"
                          if r.get("deferred_compile_s") else "") for r in timed]
+        calls = [r for r in rows if r.get("pass1_call_s")]
+        if calls:
+            lines += ["", "pass 1 call by call (host seconds from the call to its return, no sync): the slowest, "
+                      "as call (batch x sequence) seconds; then the calls under 0.1 s, summed:"]
+            lines += [f"- {r['mode']}: {_slowest(r['pass1_call_s'], s.get('sizes') or [])}" for r in calls]
     return "\n".join(lines)
+
+
+def _slowest(call_s: list[float], sizes: list[tuple[int, int]], top: int = 8) -> str:
+    slow = sorted(range(len(call_s)), key=call_s.__getitem__, reverse=True)[:top]
+    fast = [t for t in call_s if t < 0.1]
+    return (", ".join(f"{i}" + (f" ({sizes[i][0]}x{sizes[i][1]})" if i < len(sizes) else "") + f" {call_s[i]:.2f}"
+                      for i in slow)
+            + f"; {len(fast)} calls under 0.1 s: {sum(fast):.2f} s; all {len(call_s)}: {sum(call_s):.2f} s")
 
 
 def _pass2(row: dict) -> str:

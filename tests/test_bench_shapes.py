@@ -71,6 +71,11 @@ def test_a_short_stream_on_the_cpu_gives_a_row_per_mode(tmp_path):
     assert kpt["buckets_used"] == 0 and kpt["buckets_captured"] == 0, kpt
     table = (tmp_path / "bench_shapes.md").read_text()
     assert "| eager |" in table and "| kpt[bucketing] |" in table
+    # pass 1 call by call: Dynamo compiles at the first three calls (sizes first seen, batch 1, then dynamic)
+    calls = kpt["pass1_call_s"]
+    assert len(calls) == 6 and sum(calls) <= kpt["pass1_s"] + 1e-3 and len(kpt["compile_s"]) == 3, kpt
+    assert min(calls[:3]) > max(calls[3:]), calls
+    assert f"- kpt[bucketing]: {kpt['pass1_call_s'].index(max(kpt['pass1_call_s']))} (" in table
 
 
 def test_append_keeps_the_rows_of_an_earlier_run_of_the_same_stream(tmp_path, monkeypatch):
