@@ -283,18 +283,25 @@ def prepared(gm: fx.GraphModule, key: tuple | None, example_inputs: Sequence[Any
     dyn = _FRAMES.get(key) if key is not None else None
     if dyn is None or dyn.built() is None:
         return "the frame has no bucketed dynamic graph"
-    served = Served(key, gm, lambda *a: None, [])
     try:
+        served = Served(key, gm, lambda *a: None, [])
         why = served._prepare(dyn)
     except Exception as e:  # noqa: BLE001 - a comparison this module did not foresee: compiled as any graph
         return f"the graphs could not be compared ({type(e).__name__}: {str(e)[:200]})"
     if why is None and not served.mapping.same_owned(example_inputs):
         why = OTHER_PARAMETERS
     plan = dyn.plan
+    unpadded = sorted(map(str, set(plan.sources) - set(plan.symbols)))
     for s, have in (served.mapping.symbolic.items() if why is None else ()):
         vr = plan.shape_env.var_to_range.get(s) if plan.shape_env is not None else None
-        if isinstance(have, int) and s not in plan.symbols and vr is not None and not vr.lower <= have <= vr.upper:
+        if not isinstance(have, int) or vr is None or vr.lower <= have <= vr.upper:
+            continue
+        if s not in plan.symbols:
             why = f"the dynamic graph does not pad {s} (bucketing's dims), and {have} is outside its code's sizes"
+        elif unpadded:  # Plan._forced pads a call to a bucket only where every dynamic size is padded
+            why = (f"{s}={have} is outside the dynamic code's sizes, and the dynamic graph pads a call up to them "
+                   f"only where it pads every dynamic size; it does not pad {', '.join(unpadded)}")
+        break
     if plan.withdrawn:
         why = why or f"the dynamic graph's padding was withdrawn: {plan.withdrawn}"
     return why or served

@@ -285,6 +285,8 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
         ctx.note("no padding proof of its own: its calls run the dynamic graph's code, padded as that graph's proof "
                  "allows")
         return True
+    if served is not None:
+        ctx.note(f"not served by the frame's bucketed dynamic graph: {served}; compiled")
     plan, why = make_plan(gm, ctx)
     if plan is None:
         ctx.note(f"not padded: {why}")
@@ -299,8 +301,6 @@ def bucketing(gm: fx.GraphModule, ctx: PassContext) -> bool:
     gm.meta["kpt_bucketing"] = plan
     if served is None:
         frames.register(ctx, gm, plan)
-    else:
-        ctx.note(f"not served by the frame's bucketed dynamic graph: {served}; compiled")
     plan.after_shapes = ctx.options.after_shapes if ctx.explicit else AUTO_AFTER_SHAPES
     ctx.count("padded_dims", len(plan.symbols))
     rungs = "powers of two" if plan.buckets is None else "a ladder fitted to the sizes met" if plan.buckets == "fit" \

@@ -98,15 +98,15 @@ def _supports(target, options) -> str | None:
             "outputs copied out of the pool", stage="pre_aot", options=CudaGraphsOptions, default=True,
             statistics=("captured",), supports=_supports)
 def cudagraphs(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    if gm.meta.get("kpt_served"):  # passes/_bucket_frames.py: never compiled
+        ctx.note("not captured: the frame's dynamic graph serves this one, and its buckets are captured there; "
+                 "calls it cannot take run this graph as it is (eagerly), uncaptured")
+        return False
     why = _refusal(gm, ctx)
     if why:
         ctx.note(f"not captured: {why}")
         return False
     plan = _bucketing_plan(gm)
-    if gm.meta.get("kpt_served"):  # passes/_bucket_frames.py: never compiled
-        ctx.note("not captured: the frame's dynamic graph serves this one, and its buckets are captured there; "
-                 "calls it cannot take run this graph as it is (eagerly), uncaptured")
-        return False
     if plan is not None:
         return per_bucket(gm, ctx, plan,
                           lambda sizes, ceilings: bucket_ms(gm, sizes, ceilings, ctx.options.launch_bound_ms))

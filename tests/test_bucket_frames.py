@@ -201,6 +201,26 @@ def test_batch_1_with_the_sequence_dynamic_is_served_without_a_compile(monkeypat
     assert not any("not served" in n for n in one.notes), one.notes
 
 
+class MeanRows(Rows):
+    """The mean over the sequence: the dynamic graph pads the batch only."""
+
+    def forward(self, x):
+        return super().forward(x).mean(1)
+
+
+def test_batch_1_is_compiled_where_the_dynamic_graph_would_have_to_pad_it_and_leaves_a_dim_unpadded():
+    """Batch 1 is under the dynamic code's least size (2): serving would pad it, which the dynamic graph does only
+    where it pads every dynamic size; it does not pad the sequence here, so every call would run the batch-1
+    graph uncompiled (a review of cd73e92). Refused before the compile, it is compiled as before."""
+    reports = _stream_2d(MeanRows().eval(), [(3, 5), (4, 7), (1, 9), (1, 11), (1, 6), (1, 30)])
+    assert len(reports) == 3
+    assert any("reduces (mean) over dim 1" in n for n in reports[1].pass_record("bucketing").notes)
+    one = reports[2]
+    assert any("it does not pad s" in n and "not served by the frame's bucketed dynamic graph" in n
+               for n in one.pass_record("bucketing").notes), one.pass_record("bucketing").notes
+    assert "joint" in one.stages, one.notes  # compiled
+
+
 class ExpandsPositions(Rows):
     """transformers' Llama: positions [1, s] expanded to the batch except at batch 1, where the batch-1 graph has
     no expand and the dynamic graph's expand to (1, s) is the identity."""

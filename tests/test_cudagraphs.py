@@ -123,6 +123,16 @@ def test_the_host_estimate_counts_each_of_our_custom_ops_as_a_kernel():
     assert cg._host_ms(fx.GraphModule({}, graph), cal)[1] == 1
 
 
+def test_a_graph_the_frames_dynamic_graph_serves_is_not_captured_and_the_note_says_why():
+    # served graphs have dynamic sizes and no plan of their own: the served mark is read before the refusal that
+    # dynamic sizes without bucketing would give (which would tell the user to turn bucketing on)
+    gm = _graph(Mlp(), torch.randn(4, 8, 256), dynamic=True)
+    gm.meta["kpt_served"] = True
+    ctx = _ctx()
+    assert cg.cudagraphs(gm, ctx) is False
+    assert "the frame's dynamic graph serves this one" in ctx.notes[-1], ctx.notes
+
+
 def test_auto_captures_a_small_graph_and_says_why():
     gm = _graph(Mlp(), torch.randn(4, 8, 256))
     ctx = _ctx()
