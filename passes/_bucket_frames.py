@@ -291,7 +291,7 @@ def prepared(gm: fx.GraphModule, key: tuple | None, example_inputs: Sequence[Any
     if why is None and not served.mapping.same_owned(example_inputs):
         why = OTHER_PARAMETERS
     plan = dyn.plan
-    unpadded = sorted(map(str, set(plan.sources) - set(plan.symbols)))
+    unpadded = sorted(map(str, plan.unpadded))
     for s, have in (served.mapping.symbolic.items() if why is None else ()):
         vr = plan.shape_env.var_to_range.get(s) if plan.shape_env is not None else None
         if not isinstance(have, int) or vr is None or vr.lower <= have <= vr.upper:

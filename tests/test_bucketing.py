@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import kpt_compiler
 from kpt_compiler import OptionError
+from kpt_compiler.passes import _bucket_plan as bucket_plan
 from kpt_compiler.passes import bucketing as bk
 
 SIZES = [(3, 5), (2, 7), (5, 9), (3, 12), (4, 16)]  # (batch, sequence): padded to 4x8, 2x8, 8x16, 4x16, 4x16
@@ -263,7 +264,7 @@ def test_a_graph_of_one_shape_and_a_training_graph_are_not_padded():
 def test_by_default_only_calls_a_cuda_graph_replays_are_padded(monkeypatch):
     # on the CPU no CUDA graph holds a bucket: every call runs at its own sizes through the dynamic code
     pads = []
-    monkeypatch.setattr(bk, "F", types.SimpleNamespace(pad=lambda t, p: pads.append(p) or F.pad(t, p)))
+    monkeypatch.setattr(bucket_plan, "F", types.SimpleNamespace(pad=lambda t, p: pads.append(p) or F.pad(t, p)))
     rec, err = _run(Rows().eval(), _x, options={"pad": "captured"})
     assert rec.status == "applied" and "where a CUDA graph replays" in rec.notes[0], rec.notes
     assert not _padded(rec) and not pads and err < 1e-5

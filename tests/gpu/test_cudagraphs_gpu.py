@@ -159,10 +159,10 @@ def test_a_memory_cap_stops_the_captures_and_the_report_says_so():
 def test_a_bucket_auto_declines_runs_at_its_own_sizes(monkeypatch):
     import types
 
-    import kpt_compiler.passes.bucketing as bk
+    import kpt_compiler.passes._bucket_plan as bucket_plan
 
     pads = []
-    monkeypatch.setattr(bk, "F", types.SimpleNamespace(pad=lambda t, p: pads.append(p) or F.pad(t, p)))
+    monkeypatch.setattr(bucket_plan, "F", types.SimpleNamespace(pad=lambda t, p: pads.append(p) or F.pad(t, p)))
     sizes = [(3, 50), (4, 60), (2, 33)]  # no graph pays under a bound of a nanosecond: nothing padded
     report = _bucketed_calls({"bucketing": True, "cudagraphs": {"launch_bound_ms": 1e-6}}, sizes)
     notes = report.pass_record("cudagraphs").notes
