@@ -32,7 +32,9 @@ AOTAutograd traces the graph, so the fused op brings its own backward without ma
 node by node (Inductor's joint-graph patterns need ~30 traced variants and still miss today's
 transformers). The SDPA backend is chosen by the dispatcher while AOTAutograd traces; this pass sets the
 priority for that trace: on Hopper, cuDNN first (about 1.8x the flash backend there, ../shared/ANCHORS.md),
-then flash, memory-efficient and math, each used only where it supports the case.
+then flash, memory-efficient and math, each used only where it supports the case. A graph with dynamic sizes
+puts cuDNN last instead: cuDNN builds an execution plan on the host for each distinct problem, tens of
+milliseconds each, and such a graph meets a new problem at nearly every call (``_backend_order``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from kpt_compiler import torch_ir as ir
-from kpt_compiler.graph_utils import drop_unused
+from kpt_compiler.graph_utils import drop_unused, has_dynamic_sizes
 from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _attention_gate as gate, _attention_gqa as gqa_pack, _mask_provenance as provenance
@@ -61,8 +63,9 @@ BIAS_IN_FLEX = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11
 
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
-    # Which SDPA implementation to prefer. "auto": cudnn, flash, efficient, math on compute capability >= 9.0,
-    # torch's default order elsewhere. A named one goes first; the others follow as fallbacks.
+    # Which SDPA implementation to prefer. "auto": cudnn, flash, efficient, math on compute capability >= 9.0
+    # (flash, efficient, math, cudnn in a graph with dynamic sizes), torch's default order elsewhere. A named one
+    # goes first; the others follow as fallbacks.
     backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     # Leave attention over fewer key positions than this alone (the fused kernel's fixed cost can lose there).
     min_seq_len: int = 1
@@ -96,7 +99,7 @@ def _supports(target, options) -> str | None:
                         "gqa_flex"), supports=_supports)
 def fuse_attention(gm: fx.GraphModule, ctx: PassContext) -> bool:
     how = ctx.decide
-    run = _Run(gm, ctx, how, _backend_order(ctx))
+    run = _Run(gm, ctx, how, _backend_order(ctx, gm))
     changed = False
     for node in list(gm.graph.nodes):
         if node.graph is not gm.graph:
@@ -396,7 +399,15 @@ def _flex_unsupported(ctx: PassContext, q: fx.Node, k: fx.Node, dropout: Any, ki
     return None
 
 
-def _backend_order(ctx: PassContext):
+def _backend_order(ctx: PassContext, gm: fx.GraphModule):
+    """The SDPA priority the trace runs under (None: torch's default). Under "auto" on compute capability 9.0 and
+    up: cuDNN first for a graph of fixed sizes; flash, memory-efficient, math, then cuDNN for one with dynamic
+    sizes. cuDNN builds an execution plan on the host for each distinct problem (batch, lengths; torch's
+    cudnn/MHA.cpp keeps one per problem) and a dynamic graph meets a new problem at nearly every call of a
+    stream of changing sizes: in the H100 Llama stream of session 41 such calls took a median of 54 ms of host,
+    the one call at sizes met before that no CUDA graph replayed 3 ms (benchmarks/results/
+    nvidia-h100-80gb-hbm3/2026-12-07-s41-README.md; cuDNN's plans as the cause is our reading, not yet
+    measured with this order). Flash and memory-efficient build nothing per size."""
     from torch.nn.attention import SDPBackend
 
     names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
@@ -405,6 +416,9 @@ def _backend_order(ctx: PassContext):
     if choice == "auto":
         if not (ctx.target.is_cuda and ctx.target.capability and ctx.target.capability >= (9, 0)):
             return None
+        if has_dynamic_sizes(gm):
+            return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+                    SDPBackend.CUDNN_ATTENTION]
         choice = "cudnn"
     first = names[choice]
     return [first] + [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,

@@ -523,6 +523,41 @@ def test_the_sdpa_backend_option_sets_the_priority_the_trace_runs_under(backend)
     assert note.split(": ")[1].startswith(names[backend].name.lower())
 
 
+def test_auto_puts_flash_first_and_cudnn_last_for_a_graph_with_dynamic_sizes_on_hopper():
+    """cuDNN's SDPA builds an execution plan on the host per distinct problem (batch, lengths): a graph with
+    dynamic sizes meets a new one at nearly every call, so "auto" orders flash, memory-efficient, math, cuDNN
+    there; a graph of fixed sizes keeps cuDNN first; a backend the user names goes first in both."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend
+
+    from kpt_compiler.passes.attention import AttentionOptions, _backend_order
+    from kpt_compiler.target import Target
+
+    graphs = []
+
+    def grab(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    f = lambda x: x * 2  # noqa: E731
+    torch._dynamo.reset()
+    torch.compile(f, backend=grab)(torch.randn(4, 8))
+    dynamic = torch.randn(6, 8)
+    torch._dynamo.mark_dynamic(dynamic, 0)
+    torch.compile(f, backend=grab)(dynamic)
+    static, dyn = graphs
+    h100 = Target("cuda", "NVIDIA H100 80GB HBM3", capability=(9, 0))
+    ctx = SimpleNamespace(options=AttentionOptions(), target=h100)
+    assert _backend_order(ctx, static)[0] == SDPBackend.CUDNN_ATTENTION
+    assert _backend_order(ctx, dyn) == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+                                        SDPBackend.CUDNN_ATTENTION]
+    ctx.options = AttentionOptions(backend="cudnn")
+    assert _backend_order(ctx, dyn)[0] == SDPBackend.CUDNN_ATTENTION
+    ctx = SimpleNamespace(options=AttentionOptions(), target=Target("cuda", "NVIDIA A100", capability=(8, 0)))
+    assert _backend_order(ctx, dyn) is None  # torch's own order
+
+
 def test_a_mask_that_cannot_be_computed_at_compile_time_says_why(monkeypatch):
     """A mask that depends on no input is computed at compile time to prove it causal; where that fails, the
     rewrite keeps it as a dense mask and the report says why (it used to be a silent "not proven")."""
