@@ -33,8 +33,9 @@ node by node (Inductor's joint-graph patterns need ~30 traced variants and still
 transformers). The SDPA backend is chosen by the dispatcher while AOTAutograd traces; this pass sets the
 priority for that trace: on Hopper, cuDNN first (about 1.8x the flash backend there, ../shared/ANCHORS.md),
 then flash, memory-efficient and math, each used only where it supports the case. A graph with dynamic sizes
-puts cuDNN last instead: cuDNN builds an execution plan on the host for each distinct problem, tens of
-milliseconds each, and such a graph meets a new problem at nearly every call (``_backend_order``).
+gets flash, memory-efficient, math, cuDNN instead (math takes every case, so cuDNN is in effect not used): cuDNN
+builds an execution plan on the host for each distinct problem, tens of milliseconds each, and such a graph meets
+a new problem at nearly every call (``_backend_order``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ BIAS_IN_FLEX = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
     # Which SDPA implementation to prefer. "auto": cudnn, flash, efficient, math on compute capability >= 9.0
-    # (flash, efficient, math, cudnn in a graph with dynamic sizes), torch's default order elsewhere. A named one
+    # (flash, efficient, math, cudnn in a graph with dynamic sizes: cuDNN in effect unused), torch's default order
+    # elsewhere. A named one
     # goes first; the others follow as fallbacks.
     backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     # Leave attention over fewer key positions than this alone (the fused kernel's fixed cost can lose there).
@@ -402,7 +404,7 @@ def _flex_unsupported(ctx: PassContext, q: fx.Node, k: fx.Node, dropout: Any, ki
 def _backend_order(ctx: PassContext, gm: fx.GraphModule):
     """The SDPA priority the trace runs under (None: torch's default). Under "auto" on compute capability 9.0 and
     up: cuDNN first for a graph of fixed sizes; flash, memory-efficient, math, then cuDNN for one with dynamic
-    sizes. cuDNN builds an execution plan on the host for each distinct problem (batch, lengths; torch's
+    sizes (math takes every case, so there cuDNN is in effect not used). cuDNN builds an execution plan on the host for each distinct problem (batch, lengths; torch's
     cudnn/MHA.cpp keeps one per problem) and a dynamic graph meets a new problem at nearly every call of a
     stream of changing sizes: in the H100 Llama stream of session 41 such calls took a median of 54 ms of host,
     the one call at sizes met before that no CUDA graph replayed 3 ms (benchmarks/results/
