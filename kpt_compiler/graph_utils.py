@@ -239,11 +239,15 @@ def has_dynamic_sizes(gm: fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        v = node.meta.get("example_value", node.meta.get("val"))
-        if isinstance(v, torch.SymInt) or isinstance(v, torch.Tensor) and any(
-                isinstance(s, torch.SymInt) for s in v.shape):
+        if symbolic_sizes(node.meta.get("example_value", node.meta.get("val"))):
             return True
     return False
+
+
+def symbolic_sizes(value: Any) -> bool:
+    """Whether a fake value is a symbolic int or a tensor with a symbolic size."""
+    return isinstance(value, torch.SymInt) or isinstance(value, torch.Tensor) and any(
+        isinstance(s, torch.SymInt) for s in value.shape)
 
 
 def outputs_aliasing_inputs(gm: fx.GraphModule) -> frozenset[int]:

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import attr_of
+from .graph_utils import attr_of, symbolic_sizes
 
 __all__ = ["kind", "arg", "example_value", "emit", "depends_on_inputs", "evaluate", "cast_dtype", "copy_meta",
            "add_constant", "hints_only"]
@@ -114,6 +114,17 @@ def example_value(node: Any) -> Any:
     if isinstance(node, fx.Node):
         return node.meta.get("example_value", node.meta.get("val"))
     return node
+
+
+def attention_sizes_dynamic(gm: fx.GraphModule) -> bool:
+    """Whether an attention of ``gm`` has symbolic sizes: a softmax's scores, or an SDPA's query or key (a graph
+    dynamic only in other sizes, or in an int, runs its attention at fixed sizes)."""
+    for node in gm.graph.nodes:
+        k = kind(node)
+        operands = [node] if k == "softmax" else [arg(node, "query"), arg(node, "key")] if k == "sdpa" else []
+        if any(symbolic_sizes(example_value(o)) for o in operands if isinstance(o, fx.Node)):
+            return True
+    return False
 
 
 def cast_dtype(node: fx.Node) -> torch.dtype | None | str:

@@ -47,7 +47,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from kpt_compiler import torch_ir as ir
-from kpt_compiler.graph_utils import drop_unused, has_dynamic_sizes
+from kpt_compiler.graph_utils import drop_unused
 from kpt_compiler.registry import PassContext, graph_pass
 
 from . import _attention_gate as gate, _attention_gqa as gqa_pack, _mask_provenance as provenance
@@ -402,11 +402,11 @@ def _backend_order(ctx: PassContext, gm: fx.GraphModule):
     names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     choice = ctx.options.backend
-    dynamic = choice == "auto" and has_dynamic_sizes(gm)
+    dynamic = choice == "auto" and ir.attention_sizes_dynamic(gm)
     if choice == "auto":
         if not (ctx.target.is_cuda and ctx.target.capability and ctx.target.capability >= (9, 0)):
             return None
-        # dynamic sizes: cuDNN last (unused behind math); it plans each new problem on the host (s41: ~54 ms)
+        # attention of dynamic sizes: cuDNN last (unused behind math); it plans each new problem on the host
         choice = "flash" if dynamic else "cudnn"
     rest = [b for b in names.values() if b != names[choice]]
     return [names[choice]] + (rest[1:] + rest[:1] if dynamic else rest)

@@ -523,14 +523,16 @@ def test_the_sdpa_backend_option_sets_the_priority_the_trace_runs_under(backend)
     assert note.split(": ")[1].startswith(names[backend].name.lower())
 
 
-def test_auto_puts_flash_first_and_cudnn_last_for_a_graph_with_dynamic_sizes_on_hopper():
-    """cuDNN's SDPA builds an execution plan on the host per distinct problem (batch, lengths): a graph with
+def test_auto_puts_flash_first_and_cudnn_last_for_attention_of_dynamic_sizes_on_hopper():
+    """cuDNN's SDPA builds an execution plan on the host per distinct problem (batch, lengths): attention of
     dynamic sizes meets a new one at nearly every call, so "auto" orders flash, memory-efficient, math, cuDNN
-    there; a graph of fixed sizes keeps cuDNN first; a backend the user names goes first in both."""
+    there; attention of fixed sizes keeps cuDNN first, also in a graph dynamic only elsewhere (an int here); a
+    backend the user names goes first in all."""
     from types import SimpleNamespace
 
     from torch.nn.attention import SDPBackend
 
+    from kpt_compiler import graph_utils
     from kpt_compiler.passes.attention import AttentionOptions, _backend_order
     from kpt_compiler.target import Target
 
@@ -540,16 +542,23 @@ def test_auto_puts_flash_first_and_cudnn_last_for_a_graph_with_dynamic_sizes_on_
         graphs.append(gm)
         return gm.forward
 
-    f = lambda x: x * 2  # noqa: E731
+    def f(q, n):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True) * n
+
     torch._dynamo.reset()
-    torch.compile(f, backend=grab)(torch.randn(4, 8))
-    dynamic = torch.randn(6, 8)
-    torch._dynamo.mark_dynamic(dynamic, 0)
-    torch.compile(f, backend=grab)(dynamic)
-    static, dyn = graphs
+    q = torch.randn(2, 4, 16, 8)
+    torch.compile(f, backend=grab)(q, 2)
+    torch.compile(f, backend=grab)(q, 3)  # the int becomes dynamic, the attention's sizes stay fixed
+    torch._dynamo.reset()
+    dynamic = torch.randn(2, 4, 24, 8)
+    torch._dynamo.mark_dynamic(dynamic, 2)
+    torch.compile(f, backend=grab)(dynamic, 2)
+    static, int_only, dyn = graphs
+    assert graph_utils.has_dynamic_sizes(int_only)  # the graph is dynamic, its attention is not
     h100 = Target("cuda", "NVIDIA H100 80GB HBM3", capability=(9, 0))
     ctx = SimpleNamespace(options=AttentionOptions(), target=h100)
     assert _backend_order(ctx, static)[0] == SDPBackend.CUDNN_ATTENTION
+    assert _backend_order(ctx, int_only)[0] == SDPBackend.CUDNN_ATTENTION
     assert _backend_order(ctx, dyn) == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
                                         SDPBackend.CUDNN_ATTENTION]
     ctx.options = AttentionOptions(backend="cudnn")
