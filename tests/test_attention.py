@@ -526,8 +526,8 @@ def test_the_sdpa_backend_option_sets_the_priority_the_trace_runs_under(backend)
 def test_auto_puts_flash_first_and_cudnn_last_for_attention_of_dynamic_sizes_on_hopper():
     """cuDNN's SDPA builds an execution plan on the host per distinct problem (batch, lengths): attention of
     dynamic sizes meets a new one at nearly every call, so "auto" orders flash, memory-efficient, math, cuDNN
-    there; attention of fixed sizes keeps cuDNN first, also in a graph dynamic only elsewhere (an int here); a
-    backend the user names goes first in all."""
+    there; attention of fixed sizes keeps cuDNN first, also in a graph dynamic only elsewhere; a backend the
+    user names goes first in all."""
     from types import SimpleNamespace
 
     from torch.nn.attention import SDPBackend
@@ -542,23 +542,24 @@ def test_auto_puts_flash_first_and_cudnn_last_for_attention_of_dynamic_sizes_on_
         graphs.append(gm)
         return gm.forward
 
-    def f(q, n):
-        return F.scaled_dot_product_attention(q, q, q, is_causal=True) * n
+    def f(q, b):
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True) * b.sum()
 
+    q, b = torch.randn(2, 4, 16, 8), torch.randn(5)
+    torch.compile(f, backend=grab)(q, b)
     torch._dynamo.reset()
-    q = torch.randn(2, 4, 16, 8)
-    torch.compile(f, backend=grab)(q, 2)
-    torch.compile(f, backend=grab)(q, 3)  # the int becomes dynamic, the attention's sizes stay fixed
+    torch._dynamo.mark_dynamic(b, 0)  # dynamic elsewhere: the attention's sizes stay fixed
+    torch.compile(f, backend=grab)(q, b)
     torch._dynamo.reset()
     dynamic = torch.randn(2, 4, 24, 8)
     torch._dynamo.mark_dynamic(dynamic, 2)
-    torch.compile(f, backend=grab)(dynamic, 2)
-    static, int_only, dyn = graphs
-    assert graph_utils.has_dynamic_sizes(int_only)  # the graph is dynamic, its attention is not
+    torch.compile(f, backend=grab)(dynamic, torch.randn(5))
+    static, elsewhere, dyn = graphs
+    assert graph_utils.has_dynamic_sizes(elsewhere)  # the graph is dynamic, its attention is not
     h100 = Target("cuda", "NVIDIA H100 80GB HBM3", capability=(9, 0))
     ctx = SimpleNamespace(options=AttentionOptions(), target=h100)
     assert _backend_order(ctx, static)[0] == SDPBackend.CUDNN_ATTENTION
-    assert _backend_order(ctx, int_only)[0] == SDPBackend.CUDNN_ATTENTION
+    assert _backend_order(ctx, elsewhere)[0] == SDPBackend.CUDNN_ATTENTION
     assert _backend_order(ctx, dyn) == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
                                         SDPBackend.CUDNN_ATTENTION]
     ctx.options = AttentionOptions(backend="cudnn")
