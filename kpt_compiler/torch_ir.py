@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .graph_utils import attr_of, symbolic_sizes
 
 __all__ = ["kind", "arg", "example_value", "emit", "depends_on_inputs", "evaluate", "cast_dtype", "copy_meta",
-           "add_constant", "hints_only"]
+           "add_constant", "hints_only", "attention_sizes_dynamic"]
 
 # (kind, parameter names in order) for each spelling; methods are ("method", name).
 _SIGS: dict[Any, tuple[str, tuple[str, ...]]] = {}
