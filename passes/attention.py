@@ -401,12 +401,11 @@ def _backend_order(ctx: PassContext, gm: fx.GraphModule):
 
     names = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    choice = ctx.options.backend
-    dynamic = choice == "auto" and ir.attention_sizes_dynamic(gm)
+    choice, dynamic = ctx.options.backend, False
     if choice == "auto":
         if not (ctx.target.is_cuda and ctx.target.capability and ctx.target.capability >= (9, 0)):
             return None
-        # attention of dynamic sizes: cuDNN last (unused behind math); it plans each new problem on the host
+        dynamic = ir.attention_sizes_dynamic(gm)  # then cuDNN last: it plans each new problem on the host
         choice = "flash" if dynamic else "cudnn"
     rest = [b for b in names.values() if b != names[choice]]
     return [names[choice]] + (rest[1:] + rest[:1] if dynamic else rest)
