@@ -142,6 +142,10 @@ CUDA_SWEEP += [dict(cuda=True, rw=1, wk=wk, depth=depth, split_k=1, rt=1, **{"as
                for wk in (1, 2, 4, 8) for depth in (2, 4, 6, 8)]
 CUDA_SWEEP += [dict(cuda=True, rw=rw, wk=wk, depth=depth, split_k=1, rt=rt, **{"async": True})  # rows a warp
                for rt in (2, 4) for rw in (1, 2) for wk in (1, 2, 4, 8) for depth in (2, 4) if rw * wk <= 8]
+# row groups that share x (through L1) and a split of K across blocks: each block reads 1/split of x, not all of it
+# (M=16 at 4096x14336 reads x 128 times over with one row group and 8 warps along K; s42's reading)
+CUDA_SWEEP += [dict(cuda=True, rw=rw, wk=wk, depth=depth, split_k=sk, rt=2, **{"async": True})
+               for rw in (2, 4, 8) for wk in (1, 2) for sk in (2, 4, 8) for depth in (2, 4) if rw * wk <= 8]
 
 
 def family(cfg: dict) -> str:
@@ -196,7 +200,7 @@ def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "")
             pick_key = pick and ",".join(f"{a}={b}" for a, b in sorted(pick.items()))
             out.append({"N": n, "K": k, "M": m, "bf16_ms": bf16, "heuristic": mine_key,
                         "heuristic_ms": t[mine_key], "cuda_default": pick_key,
-                        "cuda_default_ms": t.get(pick_key), "best": best})
+                        "cuda_default_ms": t.get(pick_key), "best": best, "all_ms": dict(t)})
             print(f"{n}x{k} M={m}: bf16 {bf16:.4f} ms, heuristic {t[mine_key]:.4f} ms, CUDA default "
                   f"{t.get(pick_key, float('nan')):.4f} ms; best: " +
                   "; ".join(f"[{f}] {c} {v:.4f}" for f, b in best.items() for c, v in b), flush=True)
