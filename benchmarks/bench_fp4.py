@@ -142,10 +142,7 @@ CUDA_SWEEP += [dict(cuda=True, rw=1, wk=wk, depth=depth, split_k=1, rt=1, **{"as
                for wk in (1, 2, 4, 8) for depth in (2, 4, 6, 8)]
 CUDA_SWEEP += [dict(cuda=True, rw=rw, wk=wk, depth=depth, split_k=1, rt=rt, **{"async": True})  # rows a warp
                for rt in (2, 4) for rw in (1, 2) for wk in (1, 2, 4, 8) for depth in (2, 4) if rw * wk <= 8]
-# row groups that share x (through L1) and a split of K across blocks: each block reads 1/split of x, not all of it
-# (M=16 at 4096x14336 reads x 128 times over with one row group and 8 warps along K; s42's reading)
-CUDA_SWEEP += [dict(cuda=True, rw=rw, wk=wk, depth=depth, split_k=sk, rt=2, **{"async": True})
-               for rw in (2, 4, 8) for wk in (1, 2) for sk in (2, 4, 8) for depth in (2, 4) if rw * wk <= 8]
+# (row groups sharing x over a split of K across blocks: benchmarks/diag_fp4_splitk.py; none beat the default, s43)
 
 
 def family(cfg: dict) -> str:
