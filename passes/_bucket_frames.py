@@ -309,11 +309,14 @@ def prepared(gm: fx.GraphModule, key: tuple | None, example_inputs: Sequence[Any
 
 def serve(ctx, gm: fx.GraphModule, key: tuple | None, served: Served | None = None) -> None:
     """A static inference graph (or one ``prepared``): served by its frame's dynamic graph where one is (or will
-    be) bucketed."""
+    be) bucketed. Its structure is read here, as bucketing sees the graph, as the dynamic graph's was (``register``):
+    the passes after bucketing rewrite both graphs, and not alike (the attention pass's mask analysis at a static
+    sequence of 1 finds no mask), so read after them every static graph of a model they rewrite was another
+    program."""
+    if served is None:
+        served = Served(key, gm, lambda *a: None, [])
 
     def wrap(built: Callable, notes: list[str]) -> Served:
-        if served is None:
-            return Served(key, gm, built, notes)
         served.own, served.notes = built, notes
         return served
 

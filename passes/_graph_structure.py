@@ -86,6 +86,9 @@ def _structure(gm: fx.GraphModule) -> list | None:
         if node.op != "placeholder" and type(v) is int and node.op != "output":
             where[node] = v  # a size a static graph computed
             continue
+        if node.op == "call_function" and node.target is torch.Size and len(node.args) == 1 and not node.kwargs:
+            where[node] = arg(tuple(node.args[0]))  # sizes made a torch.Size (GPT-2's Conv1D): a static graph
+            continue  # passes the tuple itself
         if node.op != "placeholder":
             entry = (node.op, node.target, arg(node.args), arg(node.kwargs))
             first = node.args[0] if node.args else None

@@ -2,6 +2,7 @@
 instead of compiled (passes/_bucket_frames.py), on the CPU with codegen eager: outputs equal eager's, the static
 graphs never compiled, and every case where serving would be wrong refused."""
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -373,3 +374,89 @@ def test_batch_1_is_not_served_by_a_graph_that_does_not_pad_the_batch():
     one = kpt_compiler.reports()[2]
     assert any("does not pad" in n for n in one.pass_record("bucketing").notes), one.pass_record("bucketing").notes
     assert "joint" in one.stages
+
+
+class CausalAttention(nn.Module):
+    """Hand-written causal attention, which the attention pass (after bucketing) rewrites to SDPA: causal in the
+    dynamic graph, and with no mask at all in a static graph of sequence 1 (every key visible there)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        t = x.shape[1]
+        scores = (q @ k.transpose(-1, -2)) * 0.25
+        causal = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
+        return self.o(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v)
+
+
+def test_a_static_graph_that_later_passes_rewrite_otherwise_is_still_served():
+    """The comparison reads both graphs as bucketing sees them. A static graph was read after the passes that follow
+    it, while the dynamic one was read before them. So a static graph that a later pass rewrote was another program.
+    Here the attention pass finds no mask at sequence 1 and a causal one in the dynamic graph. The 200-call streams'
+    call 194 is such a graph; its compile took 10.5 s of the Llama stream's second pass on the H200 in s43."""
+    model = CausalAttention().eval()
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
+    with torch.no_grad():
+        for b, s, dynamic in [(3, 5, False), (4, 7, True), (2, 6, True), (1, 1, False), (1, 1, False)]:
+            x = torch.randn(b, s, 16)
+            if dynamic:
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    reports = kpt_compiler.reports()
+    assert len(reports) == 3, [r.notes for r in reports]  # the first sizes, the dynamic graph, sequence 1
+    assert "no mask" in " ".join(reports[2].pass_record("attention").notes), "the rewrites differ"
+    one = reports[2]
+    assert any(n.startswith("served by the frame's bucketed dynamic graph") for n in one.notes), one.notes
+    assert not any("not served" in n for n in one.notes), one.notes
+    assert "joint" not in one.stages, one.notes  # never compiled
+
+
+def test_transformers_llama_at_sequence_1_is_served():
+    pytest.importorskip("transformers")
+    from kpt_compiler.models import zoo
+
+    torch.manual_seed(0)
+    model, make = zoo.build("llama", attn="eager", n_layer=1, hidden=64, heads=4, kv_heads=2)
+    model.eval()
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
+    with torch.no_grad():
+        for b, s in [(3, 20), (4, 33), (2, 9), (1, 1), (1, 1)]:
+            x = make(b, s, "cpu")[0]
+            torch.testing.assert_close(fn(x).logits, model(x).logits, atol=1e-4, rtol=1e-4)
+    one = kpt_compiler.reports()[-1]
+    assert any(n.startswith("served by the frame's bucketed dynamic graph") for n in one.notes), one.notes
+    assert "joint" not in one.stages, one.notes
+
+
+class SizeView(Rows):
+    """A view to ``x.size()[:-1] + (...)``, as GPT-2's Conv1D: a torch.Size node in a dynamic graph, the tuple
+    itself in a static one."""
+
+    def forward(self, x):
+        h = super().forward(x)
+        return h.view(h.size()[:-1] + (2, 8)).sum(-1)
+
+
+def test_a_size_tuple_built_from_dynamic_sizes_is_the_static_graphs_tuple():
+    torch._dynamo.reset()
+    kpt_compiler.clear_reports()
+    model = SizeView().eval()
+    fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
+    with torch.no_grad():
+        for b, s, dynamic in [(3, 5, False), (4, 7, True), (2, 6, True), (1, 1, False), (1, 1, False)]:
+            x = torch.randn(b, s, 16)
+            if dynamic:
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    one = kpt_compiler.reports()[-1]
+    assert any(n.startswith("served by the frame's bucketed dynamic graph") for n in one.notes), one.notes
+    assert "joint" not in one.stages, one.notes
