@@ -313,12 +313,14 @@ def serve(ctx, gm: fx.GraphModule, key: tuple | None, served: Served | None = No
     the passes after bucketing rewrite both graphs, and not alike (the attention pass's mask analysis at a static
     sequence of 1 finds no mask), so read after them every static graph of a model they rewrite was another
     program."""
-    if served is None:
-        served = Served(key, gm, lambda *a: None, [])
+    # popped at the wrap: held by this closure past it, it would close a cycle (Served.own -> the pass manager ->
+    # its wrappers -> this closure) that keeps the graph's compiled code until the collector runs
+    held = [served if served is not None else Served(key, gm, lambda *a: None, [])]
 
     def wrap(built: Callable, notes: list[str]) -> Served:
-        served.own, served.notes = built, notes
-        return served
+        done = held.pop()
+        done.own, done.notes = built, notes
+        return done
 
     ctx.wrap_built(wrap)
 

@@ -460,3 +460,28 @@ def test_a_size_tuple_built_from_dynamic_sizes_is_the_static_graphs_tuple():
     one = kpt_compiler.reports()[-1]
     assert any(n.startswith("served by the frame's bucketed dynamic graph") for n in one.notes), one.notes
     assert "joint" not in one.stages, one.notes
+
+
+def test_a_served_graph_is_freed_without_the_collector(monkeypatch):
+    """Once Dynamo drops them, a served graph's callable and its own deferred code go by reference counting: the
+    serving wrapper held the Served object past the wrap, a cycle through the pass manager (found by a review of
+    d4d1236), which kept compiled code, and on a GPU its CUDA graphs, until the collector ran."""
+    import gc
+    import weakref
+
+    from kpt_compiler import backend
+
+    made = []
+    init = backend._Deferred.__init__
+    monkeypatch.setattr(backend._Deferred, "__init__", lambda self, *a, **k: init(self, *a, **k) or made.append(
+        weakref.ref(self)))
+    gc.collect()
+    gc.disable()
+    try:
+        _stream_2d(Rows().eval(), [(3, 5), (4, 7), (1, 9), (1, 11)])
+        assert made, "the batch-1 graph's code is deferred"
+        torch._dynamo.reset()
+        kpt_compiler.clear_reports()
+        assert [r() for r in made] == [None] * len(made)
+    finally:
+        gc.enable()
