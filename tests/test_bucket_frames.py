@@ -392,6 +392,17 @@ class CausalAttention(nn.Module):
         return self.o(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v)
 
 
+def _to_sequence_1(fn, model):
+    """Static sizes, then two calls marked dynamic in batch and sequence, then 1x1 twice; each call against eager."""
+    with torch.no_grad():
+        for b, s, dynamic in [(3, 5, False), (4, 7, True), (2, 6, True), (1, 1, False), (1, 1, False)]:
+            x = torch.randn(b, s, 16)
+            if dynamic:
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(x, 1)
+            torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_a_static_graph_that_later_passes_rewrite_otherwise_is_still_served():
     """The comparison reads both graphs as bucketing sees them. A static graph was read after the passes that follow
     it, while the dynamic one was read before them. So a static graph that a later pass rewrote was another program.
@@ -401,13 +412,7 @@ def test_a_static_graph_that_later_passes_rewrite_otherwise_is_still_served():
     torch._dynamo.reset()
     kpt_compiler.clear_reports()
     fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
-    with torch.no_grad():
-        for b, s, dynamic in [(3, 5, False), (4, 7, True), (2, 6, True), (1, 1, False), (1, 1, False)]:
-            x = torch.randn(b, s, 16)
-            if dynamic:
-                torch._dynamo.mark_dynamic(x, 0)
-                torch._dynamo.mark_dynamic(x, 1)
-            torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    _to_sequence_1(fn, model)
     reports = kpt_compiler.reports()
     assert len(reports) == 3, [r.notes for r in reports]  # the first sizes, the dynamic graph, sequence 1
     assert "no mask" in " ".join(reports[2].pass_record("attention").notes), "the rewrites differ"
@@ -450,13 +455,7 @@ def test_a_size_tuple_built_from_dynamic_sizes_is_the_static_graphs_tuple():
     kpt_compiler.clear_reports()
     model = SizeView().eval()
     fn = torch.compile(model, backend="kernelpytorch", options=OPTIONS)
-    with torch.no_grad():
-        for b, s, dynamic in [(3, 5, False), (4, 7, True), (2, 6, True), (1, 1, False), (1, 1, False)]:
-            x = torch.randn(b, s, 16)
-            if dynamic:
-                torch._dynamo.mark_dynamic(x, 0)
-                torch._dynamo.mark_dynamic(x, 1)
-            torch.testing.assert_close(fn(x), model(x), atol=1e-5, rtol=1e-5)
+    _to_sequence_1(fn, model)
     one = kpt_compiler.reports()[-1]
     assert any(n.startswith("served by the frame's bucketed dynamic graph") for n in one.notes), one.notes
     assert "joint" not in one.stages, one.notes
