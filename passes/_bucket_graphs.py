@@ -247,8 +247,9 @@ class BucketGraphs:
         _fill(buffers, args, padded_args)
         pool = self._pool_for_capture()
         torch.cuda.synchronize()
-        # an upper bound of what the capture holds: measured across the warm-up too (measured after it, a capture
-        # showed no growth at all on the H200, s15: its blocks came from memory the allocator held already)
+        held = _pool_bytes(pool)
+        # where the allocator names no pools: the reserved memory's growth across the warm-up and the capture (an
+        # upper bound, but torch.cuda.graph empties the cache first, which made it read 0 MiB in s39-s44's streams)
         before = torch.cuda.memory_reserved()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -264,7 +265,8 @@ class BucketGraphs:
         with torch.cuda.graph(graph, pool=pool):
             outputs = compiled(*static_args)
         torch.cuda.synchronize()
-        grown = (torch.cuda.memory_reserved() - before) / 2**20
+        now = _pool_bytes(pool) if held is not None else None
+        grown = ((now - held) if now is not None else torch.cuda.memory_reserved() - before) / 2**20
         # the written inputs' addresses are the key a graph is found by (run): checked there, not again
         checked = tuple(i for i in in_place if i not in self.mutated)
         copied = tuple(i for i in buffers if i not in padded_args)
@@ -293,6 +295,17 @@ class BucketGraphs:
             _fill_padded(cap.buffers[i], args[i])
         cap.graph.replay()
         return cap.outputs  # in the pool: the caller slices them and copies them out
+
+
+def _pool_bytes(pool) -> int | None:
+    """What the allocator's segments of graph pool ``pool`` hold on the current device: our graphs' memory, which
+    grows only by a capture's own allocations. None where its snapshot names no pools."""
+    device = torch.cuda.current_device()
+    segments = torch.cuda.memory_snapshot()
+    if segments and "segment_pool_id" not in segments[0]:
+        return None
+    return sum(seg["total_size"] for seg in segments
+               if seg.get("device", device) == device and tuple(seg["segment_pool_id"]) == tuple(pool))
 
 
 def _same_layout(new: torch.Tensor, old: torch.Tensor) -> bool:

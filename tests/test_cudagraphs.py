@@ -420,6 +420,22 @@ def test_a_capture_joins_the_shared_pool_only_while_a_graph_holds_it(monkeypatch
     assert graphs._pool_for_capture() not in (first, second)
 
 
+def test_the_graphs_pool_is_measured_by_its_own_segments(monkeypatch):
+    # torch.cuda.graph empties the allocator's cache before a capture, so the reserved memory's growth read 0 MiB
+    # for captures that took new segments (s39-s44's streams); the pool's segments on this device are what it holds
+    from kpt_compiler.passes import _bucket_graphs as bg
+
+    segments = [dict(device=0, total_size=2 << 20, segment_pool_id=(0, 3)),
+                dict(device=0, total_size=20 << 20, segment_pool_id=(0, 0)),  # the default pool
+                dict(device=1, total_size=4 << 20, segment_pool_id=(0, 3)),  # another GPU
+                dict(device=0, total_size=6 << 20, segment_pool_id=[0, 3])]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert bg._pool_bytes((0, 3)) == 8 << 20 and bg._pool_bytes((0, 4)) == 0
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [dict(device=0, total_size=1)])
+    assert bg._pool_bytes((0, 3)) is None  # no pool ids: the caller measures the reserved memory instead
+
+
 @pytest.mark.parametrize("max_pool_mb", [None, 100.0])
 def test_a_written_input_at_new_addresses_gets_its_own_graph_and_old_ones_make_room(monkeypatch, max_pool_mb):
     # a static cache per generate() call: the graph is keyed by the written inputs' addresses; a new cache is

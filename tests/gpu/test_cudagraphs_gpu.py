@@ -3,6 +3,8 @@ stay valid after the next call (they are copied out of the pool), a large graph 
 their reason. Inductor's own refusals reach the report through its log (tests/test_cudagraphs.py: on torch 2.11
 the H100 captured both graphs we built for Inductor to refuse, a CPU constant and a CPU random tensor)."""
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -144,7 +146,8 @@ def test_bucketing_with_cuda_graphs_captures_per_bucket_and_replays_right():
     assert rec.status == "applied", rec.notes
     captured = [n for n in rec.notes if ": captured (" in n]
     assert len(captured) == 2, rec.notes  # each bucket at its second call
-    assert "MiB in all" in captured[-1]
+    # the pool's own segments (s44): the reserved memory's growth read 0 MiB once torch.cuda.graph emptied the cache
+    assert float(re.search(r"([\d.]+) MiB in all", captured[-1]).group(1)) > 0, captured
     assert report.pass_record("bucketing").stats["padded_dims"] == 2
 
 
