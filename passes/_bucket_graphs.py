@@ -31,10 +31,11 @@ bookkeeping (DLPack, ``__cuda_array_interface__``, CUDA IPC), which a move would
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any, Callable, Sequence
 
 import torch
+
+from ._graph_memory import movable, pool_bytes, same_layout, sole_owner
 
 __all__ = ["BucketGraphs", "CaptureSettings", "per_bucket", "own_capture"]
 
@@ -151,7 +152,7 @@ class BucketGraphs:
             for other in held.values():
                 other.kept = None  # only the last capture holds its cache's storage (one cache more at most)
             written = [args[i] for i in self.mutated_order]
-            if self.move and all(_movable(t) and _sole_owner(t) for t in written):  # else no move could happen
+            if self.move and all(movable(t) and sole_owner(t) for t in written):  # else no move could happen
                 cap.kept = [t.detach() for t in written]
                 self.kept_mb = sum(t.untyped_storage().nbytes() for t in written) / 2**20
             held[where] = cap
@@ -198,7 +199,7 @@ class BucketGraphs:
         # storage per written input
         if tuple(o.data_ptr() for o in cap.kept) != where or len({n.data_ptr() for n in news}) != len(news):
             return None, None
-        if not all(_movable(n) and _movable(o) and _same_layout(n, o) and _sole_owner(n) and _sole_owner(o)
+        if not all(movable(n) and movable(o) and same_layout(n, o) and sole_owner(n) and sole_owner(o)
                    for n, o in zip(news, cap.kept)):
             return None, None
         try:  # the content first: a tensor moved before a failure (then captured as before) keeps its values
@@ -247,7 +248,7 @@ class BucketGraphs:
         _fill(buffers, args, padded_args)
         pool = self._pool_for_capture()
         torch.cuda.synchronize()
-        held = _pool_bytes(pool)
+        held = pool_bytes(pool)
         # where the allocator names no pools: the reserved memory's growth across the warm-up and the capture (an
         # upper bound, but torch.cuda.graph empties the cache first, which made it read 0 MiB in s39-s44's streams)
         before = torch.cuda.memory_reserved()
@@ -265,7 +266,7 @@ class BucketGraphs:
         with torch.cuda.graph(graph, pool=pool):
             outputs = compiled(*static_args)
         torch.cuda.synchronize()
-        now = _pool_bytes(pool) if held is not None else None
+        now = pool_bytes(pool) if held is not None else None
         grown = ((now - held) if now is not None else torch.cuda.memory_reserved() - before) / 2**20
         # the written inputs' addresses are the key a graph is found by (run): checked there, not again
         checked = tuple(i for i in in_place if i not in self.mutated)
@@ -295,50 +296,6 @@ class BucketGraphs:
             _fill_padded(cap.buffers[i], args[i])
         cap.graph.replay()
         return cap.outputs  # in the pool: the caller slices them and copies them out
-
-
-def _pool_bytes(pool) -> int | None:
-    """What the allocator's segments of graph pool ``pool`` hold on the current device: our graphs' memory, which
-    grows only by a capture's own allocations. None where its snapshot names no pools."""
-    device = torch.cuda.current_device()
-    segments = torch.cuda.memory_snapshot()
-    if segments and "segment_pool_id" not in segments[0]:
-        return None
-    return sum(seg["total_size"] for seg in segments
-               if seg.get("device", device) == device and tuple(seg["segment_pool_id"]) == tuple(pool))
-
-
-def _same_layout(new: torch.Tensor, old: torch.Tensor) -> bool:
-    return (type(new) is type(old) and new.dtype == old.dtype and new.device == old.device
-            and new.size() == old.size() and new.stride() == old.stride()
-            and new.storage_offset() == old.storage_offset()
-            and new.untyped_storage().nbytes() == old.untyped_storage().nbytes())
-
-
-def _movable(t: Any) -> bool:
-    """A tensor whose storage ``set_`` may replace: not an inference tensor outside inference mode (``set_`` would
-    raise after moving it), no gradient."""
-    return isinstance(t, torch.Tensor) and not t.requires_grad and \
-        (not t.is_inference() or torch.is_inference_mode_enabled())
-
-
-_ALONE: tuple[int, int] | None = None
-
-
-def _counts(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()  # held: torch 2.9 frees a temporary before its count is read, 2.13 keeps it
-    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
-
-
-def _sole_owner(t: torch.Tensor) -> bool:
-    """Nothing else holds ``t``'s storage: no other tensor (a view, an alias) and no Python storage object of the
-    caller's (``t.untyped_storage()`` kept). The counts are compared with a fresh tensor's, read the same way, as
-    torch versions count a storage's Python object differently. Aliases outside torch are not seen (the module's
-    docstring)."""
-    global _ALONE
-    if _ALONE is None:
-        _ALONE = _counts(torch.empty(1))
-    return _counts(t) == _ALONE
 
 
 def _fill_padded(buf: torch.Tensor, a: torch.Tensor) -> None:

@@ -423,7 +423,7 @@ def test_a_capture_joins_the_shared_pool_only_while_a_graph_holds_it(monkeypatch
 def test_the_graphs_pool_is_measured_by_its_own_segments(monkeypatch):
     # torch.cuda.graph empties the allocator's cache before a capture, so the reserved memory's growth read 0 MiB
     # for captures that took new segments (s39-s44's streams); the pool's segments on this device are what it holds
-    from kpt_compiler.passes import _bucket_graphs as bg
+    from kpt_compiler.passes import _graph_memory as gmem
 
     segments = [dict(device=0, total_size=2 << 20, segment_pool_id=(0, 3)),
                 dict(device=0, total_size=20 << 20, segment_pool_id=(0, 0)),  # the default pool
@@ -431,9 +431,9 @@ def test_the_graphs_pool_is_measured_by_its_own_segments(monkeypatch):
                 dict(device=0, total_size=6 << 20, segment_pool_id=[0, 3])]
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    assert bg._pool_bytes((0, 3)) == 8 << 20 and bg._pool_bytes((0, 4)) == 0
+    assert gmem.pool_bytes((0, 3)) == 8 << 20 and gmem.pool_bytes((0, 4)) == 0
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [dict(device=0, total_size=1)])
-    assert bg._pool_bytes((0, 3)) is None  # no pool ids: the caller measures the reserved memory instead
+    assert gmem.pool_bytes((0, 3)) is None  # no pool ids: the caller measures the reserved memory instead
 
 
 @pytest.mark.parametrize("max_pool_mb", [None, 100.0])
