@@ -66,7 +66,10 @@ def sass(math: str, block_n: int, block_k: int, warps: int) -> str:
 
 # nt, rw, wk, depth, async, rt (the last five: not picked by the heuristic)
 CUDA_CONFIGS = [(1, 1, 8, 2, 0, 1), (1, 1, 2, 2, 0, 1), (2, 1, 8, 2, 0, 1), (1, 1, 8, 4, 0, 1), (1, 1, 8, 4, 1, 1),
-                (2, 1, 8, 4, 1, 1), (1, 1, 2, 6, 1, 1), (2, 1, 4, 4, 1, 2), (2, 1, 2, 4, 1, 4)]
+                (2, 1, 8, 4, 1, 1), (1, 1, 2, 6, 1, 1), (2, 1, 4, 4, 1, 2), (2, 1, 2, 4, 1, 4),
+                # s44: more warps along K (bench_fp4's wk 12/16 sweep configs), and the M=16 default
+                (1, 1, 12, 2, 0, 1), (1, 1, 12, 2, 1, 1), (1, 1, 12, 4, 1, 1), (1, 1, 16, 2, 1, 1), (2, 1, 8, 2, 1, 2),
+                (2, 1, 12, 2, 1, 2)]
 
 
 def cuda_sass(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int) -> tuple[str, int]:
