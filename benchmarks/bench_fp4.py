@@ -143,7 +143,7 @@ CUDA_SWEEP += [dict(cuda=True, rw=1, wk=wk, depth=depth, split_k=1, rt=1, **{"as
 CUDA_SWEEP += [dict(cuda=True, rw=rw, wk=wk, depth=depth, split_k=1, rt=rt, **{"async": True})  # rows a warp
                for rt in (2, 4) for rw in (1, 2) for wk in (1, 2, 4, 8) for depth in (2, 4) if rw * wk <= 8]
 # (row groups sharing x over a split of K across blocks: benchmarks/diag_fp4_splitk.py; none beat the default, s43)
-# More warps along K than 8 (s44; registers from nvcc 13.0 for sm_90, not yet timed): the ring at wk=12 takes 76-80
+# More warps along K than 8 (s44, not yet timed; registers from `diag_fp4_sass --cuda`): the ring at wk=12 takes 76-80
 # registers, so two blocks of 12 warps fit an SM at M=1 (24 warps against the default's 16); with 2 row tiles a warp
 # at M=16, 168 registers, one block of 12 against 8. The register form at wk=12 (86) fits one block only.
 CUDA_SWEEP += [dict(cuda=True, rw=1, wk=wk, depth=depth, split_k=1, rt=rt, **{"async": True})
