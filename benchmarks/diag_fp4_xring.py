@@ -1,0 +1,249 @@
+"""x through the cp.async ring as well as the weights, for the fp4 CUDA form (issue 18: M=16 and M=1 at 4096x14336).
+
+    python -m benchmarks.diag_fp4_xring [--shape 4096x14336] [--ms 1,16] [--rep-ms 30] [--out FILE]
+    python -m benchmarks.diag_fp4_xring --registers      (no GPU: nvcc's registers for sm_90 of each variant config)
+
+The reading it tests (s45, from s32's ncu profile of the M=16 default on an H200,
+``benchmarks/results/nvidia-h200/2026-11-29-s32-fp4-ncu-cuda-b4ce997.txt``): 2 warps a scheduler (167 registers:
+one block of 8 warps an SM), 0.48 of them eligible, issue slots 32% busy, and 41% of the cycles between two
+instructions stalled on an L1TEX scoreboard, i.e. on a global load. The weights come through the ring
+(``cp.async``), so those are x's loads (one chunk ahead, into two register buffers: 64 registers at two token
+tiles) and the scales'. Here x's chunk goes into the ring beside the weights' (``ASYNC=2``), DEPTH - 1 chunks
+ahead in the same commit group, and each lane reads its own bytes back one 16-byte step ahead of its MMAs: x
+then holds 2 x NT registers instead of 8 x NT x 4, so the kernel takes fewer registers, more warps fit an SM,
+and x's loads are as far ahead as the weights'.
+
+A kernel-source variant, as ``diag_fp4_l2``'s and ``diag_fp4_splitk``'s are: ``kernels/_fp4_cuda.py`` is hashed
+into the cost model's fp4 tables, so a change there lands only with a recalibration on the H100 and the H200.
+Rows, each a CUDA-graph replay's median over copies of the weight that together take three times L2 (as
+bench_fp4): bf16 cuBLAS; the default config; the as-built ring at each tried config; the variant at the same.
+Every fp4 row's output is checked against the default's (relative error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kpt_compiler.bench import relative_error, timing_ms
+from kpt_compiler.kernels import _fp4_cuda
+from kpt_compiler.kernels import _fp4_format as fmt
+from kpt_compiler.kernels._launch import sm_count
+
+from .bench_fp4 import copies_for, rotating
+
+AS_BUILT = _fp4_cuda.SOURCE
+
+CHUNK_XS = r"""
+// As chunk_mma, with x read from the lane's own bytes of the ring (xs: slot's token tile 0, step 0; + 2048 a
+// token tile, + 512 a step), one step ahead of its MMAs.
+template <int NT>
+__device__ __forceinline__ void chunk_mma_xs(float (&acc)[NT][4], const uint4 lo, const uint4 hi, u32 s_lo,
+                                             u32 s_hi, unsigned xs) {
+  u32 sl0, sl1, sh0, sh1;
+  scale_pairs(s_lo, sl0, sl1);
+  scale_pairs(s_hi, sh0, sh1);
+  const u32 wl[4] = {lo.x, lo.y, lo.z, lo.w};
+  const u32 wh[4] = {hi.x, hi.y, hi.z, hi.w};
+  uint4 xv[2][NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) xv[0][nt] = load_shared(xs + nt * 2048);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (j < 3) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) xv[(j + 1) & 1][nt] = load_shared(xs + nt * 2048 + (j + 1) * 512);
+    }
+    const u32 sl = j < 2 ? sl0 : sl1, sh = j < 2 ? sh0 : sh1;
+    const u32 l8 = wl[j] >> 8, h8 = wh[j] >> 8;
+    const u32 a0 = pair<0>(wl[j], l8, sl), a1 = pair<0>(wh[j], h8, sh), a2 = pair<1>(wl[j], l8, sl),
+              a3 = pair<1>(wh[j], h8, sh);
+    const u32 e0 = pair<2>(wl[j], l8, sl), e1 = pair<2>(wh[j], h8, sh), e2 = pair<3>(wl[j], l8, sl),
+              e3 = pair<3>(wh[j], h8, sh);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const uint4 v = xv[j & 1][nt];
+      mma(acc[nt], a0, a1, a2, a3, prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z));
+      mma(acc[nt], e0, e1, e2, e3, prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
+    }
+  }
+}
+
+// NT: 8-token column tiles"""
+
+# (old, new) pairs applied once each to the kernel as built
+EDITS = [
+    ("\n// NT: 8-token column tiles", CHUNK_XS),
+    ("  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);\n",
+     "  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);\n"
+     "  // ASYNC 2: x's ring after every warp's weights: DEPTH chunks a warp, [slot][token tile][step][lane]\n"
+     "  const unsigned xring = shared_address(ring_all + RW * WK * DEPTH * RT * 64 + (threadIdx.x >> 5) * DEPTH * NT"
+     " * 128 + lane);\n"),
+    ("  }                                                                                            \\\n"
+     "  if (ASYNC) cp_async_commit();",
+     "    if (ASYNC == 2) {                                                                          \\\n"
+     "      _Pragma(\"unroll\") for (int nt = 0; nt < NT; ++nt)                                        \\\n"
+     "        _Pragma(\"unroll\") for (int q = 0; q < 4; ++q)                                          \\\n"
+     "          cp_async16(xring + (((slot) * NT + nt) * 4 + q) * 512, x_row[nt] + 16 * WK * (P) + q); \\\n"
+     "    }                                                                                          \\\n"
+     "  }                                                                                            \\\n"
+     "  if (ASYNC) cp_async_commit();"),
+    ("#define LOAD_X(slot, P)                                                                        \\\n"
+     "  if (i0 + (P) < count) {",
+     "#define LOAD_X(slot, P)                                                                        \\\n"
+     "  if (ASYNC != 2 && i0 + (P) < count) {"),
+    ("          if (ASYNC)\n            chunk_mma<NT>(",
+     "          if (ASYNC == 2)\n"
+     "            chunk_mma_xs<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
+     "                             load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1],\n"
+     "                             xring + p * NT * 2048);\n"
+     "          else if (ASYNC)\n            chunk_mma<NT>("),
+]
+
+
+def variant_source() -> str:
+    s = AS_BUILT
+    for a, b in EDITS:
+        if s.count(a) != 1:
+            raise RuntimeError(f"diag_fp4_xring: the kernel's source no longer has {a[:60]!r} once; update EDITS")
+        s = s.replace(a, b)
+    return s
+
+
+def shared_bytes(cfg: dict) -> int:
+    """Dynamic shared memory: the weights' ring, and at async=2 x's (DEPTH chunks of NT token tiles a warp)."""
+    warps = cfg["rw"] * cfg["wk"]
+    ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], 1, cfg.get("rt", 1))
+    return ring + (warps * cfg["depth"] * cfg["nt"] * 2048 if cfg["async"] == 2 else 0)
+
+
+_BUILT: dict = {}
+
+
+def _kernel(cfg: dict):
+    key = _fp4_cuda._key(cfg, 0)
+    if key not in _BUILT:
+        k = torch.cuda._compile_kernel(variant_source(), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, "
+                                       f"{cfg['depth']}, 2, {cfg['rt']}>", nvcc_options=["-std=c++17"])
+        total = shared_bytes(cfg)
+        static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg["rt"])
+        if total >= 48 * 1024:
+            k.set_shared_memory_config(total)
+        elif total + static > 48 * 1024:
+            lib = torch.cuda._utils._get_gpu_runtime_library()
+            if lib.cuFuncSetAttribute(k.func, 8, total) != 0:
+                raise RuntimeError(f"cuFuncSetAttribute({total} bytes of dynamic shared memory) failed")
+        _BUILT[key] = k
+    return _BUILT[key]
+
+
+def fp4_xring(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
+    """``fp4_linear_cuda``'s launch (split 1) of the variant."""
+    (m, k), n = x2.shape, q.packed.shape[0]
+    w, s = q.packed.view(torch.int32), q.scales.view(torch.uint8)
+    y = torch.empty((1, m, n), dtype=torch.bfloat16, device=x2.device)
+    _kernel(cfg)(grid=(-(-n // (16 * cfg["rt"] * cfg["rw"])), 1, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
+                 shared_mem=shared_bytes(cfg), args=[x2, w, s, q.global_scale.reshape(1).float(), y, m, n, k,
+                                                     k // _fp4_cuda.CHUNK, x2.stride(0), w.stride(0), s.stride(0),
+                                                     y.stride(0), y.stride(1), 0],
+                 stream=torch.cuda.current_stream())
+    return y[0]
+
+
+def configs(m: int) -> list[dict]:
+    nt = 1 if m <= 8 else 2
+    rts = (1,) if m <= 8 else (1, 2)
+    return [dict(cuda=True, nt=nt, rw=1, wk=wk, depth=depth, split_k=1, rt=rt, **{"async": a})
+            for rt in rts for wk in (8, 12, 16) for depth in (2, 4) for a in (1, 2)]
+
+
+def registers(cfg: dict) -> int:
+    """ptxas's registers for sm_90 (nvcc on PATH) of the variant's build of ``cfg``."""
+    args = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "k.cu").write_text(variant_source() + f"template __global__ void fp4_mma_sync<{cfg['nt']}, "
+                                      f"{cfg['rw']}, {cfg['wk']}, {cfg['depth']}, {cfg['async']}, {cfg['rt']}>"
+                                      f"({args});\n")
+        built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
+                                f"{d}/k.cubin", f"{d}/k.cu"], check=True, capture_output=True, text=True)
+        return int(re.search(r"Used (\d+) registers", built.stderr).group(1))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="4096x14336", help="N x K")
+    p.add_argument("--ms", default="1,16")
+    p.add_argument("--rep-ms", type=float, default=30.0)
+    p.add_argument("--registers", action="store_true", help="nvcc's registers of each config (no GPU)")
+    p.add_argument("--out", default=None, help="write every row as JSON here")
+    args = p.parse_args()
+    if args.registers:
+        print("| M | config (nt, rw, wk, depth, async, rt) | registers | warps an SM by registers | shared KB |\n"
+              "| --- | --- | --- | --- | --- |")
+        for m in (int(v) for v in args.ms.split(",")):
+            for c in configs(m):
+                r = registers(c)
+                warps = c["rw"] * c["wk"]
+                blocks = 65536 // (warps * 32 * ((r + 7) // 8 * 8))
+                kb = (shared_bytes(c) + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"])) / 1024
+                print(f"| {m} | {(c['nt'], c['rw'], c['wk'], c['depth'], c['async'], c['rt'])} | {r} | "
+                      f"{blocks * warps} | {kb:.0f} |")
+        return
+    n, k = (int(v) for v in args.shape.split("x"))
+    dev = "cuda"
+    torch.manual_seed(0)
+    w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
+    q0 = fmt.quantize(w, fmt.NVFP4)
+    qs = [q0] + [fmt.quantize(w, fmt.NVFP4) for _ in range(copies_for(q0.nbytes(), dev) - 1)]
+    ws = [w] + [w.clone() for _ in range(copies_for(2 * n * k, dev) - 1)]
+    sms = sm_count(torch.device(dev))
+    rows = []
+
+    def row(m, name, fn, ref):
+        try:
+            out = fn(qs[0])
+            err = relative_error(out.float(), ref.float()) if ref is not None else 0.0
+            ms = timing_ms(rotating(fn, qs), dev, warmup_ms=args.rep_ms / 5, rep_ms=args.rep_ms, cuda_graph=True).median
+        except Exception as e:  # noqa: BLE001 - a config that does not build or fit: on record, skipped
+            print(f"  M={m} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return None
+        rows.append(dict(M=m, name=name, ms=ms, rel_err=err))
+        return out
+
+    for m in (int(v) for v in args.ms.split(",")):
+        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+        bf16 = timing_ms(rotating(lambda w_: F.linear(x, w_), ws), dev, warmup_ms=args.rep_ms / 5,
+                         rep_ms=args.rep_ms, cuda_graph=True).median
+        rows.append(dict(M=m, name="bf16 cuBLAS", ms=bf16, rel_err=0.0))
+        pick = _fp4_cuda.config(m, n, k, sms)
+        ref = row(m, f"default {pick}", lambda q: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale,
+                                                                          pick), None)
+        for cfg in configs(m):
+            tag = f"rt={cfg['rt']} wk={cfg['wk']} depth={cfg['depth']} async={cfg['async']}"
+            if cfg["async"] == 2:
+                row(m, f"{tag} (x in the ring)", lambda q, c=cfg: fp4_xring(x, q, c), ref)
+            else:
+                row(m, tag, lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale, c),
+                    ref)
+    print(f"{torch.cuda.get_device_name(0)}, {sms} SMs, torch {torch.__version__}; {n}x{k}, NVFP4, "
+          f"CUDA-graph replays over {len(qs)} copies of the weight")
+    for m in sorted({r["M"] for r in rows}):
+        mine = sorted((r for r in rows if r["M"] == m), key=lambda r: r["ms"])
+        bf16 = next(r["ms"] for r in mine if r["name"] == "bf16 cuBLAS")
+        print(f"\n| M={m}: config | ms | vs bf16 | rel. err vs default |\n| --- | --- | --- | --- |")
+        for r in mine[:14] + [r for r in mine[14:] if r["name"].startswith(("default", "bf16"))]:
+            print(f"| {r['name']} | {r['ms']:.4f} | {bf16 / r['ms']:.2f}x | {r['rel_err']:.1e} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
