@@ -2,6 +2,7 @@
 
     python -m benchmarks.diag_fp4_xring [--shape 4096x14336] [--ms 1,16] [--rep-ms 30] [--out FILE]
     python -m benchmarks.diag_fp4_xring --registers      (no GPU: nvcc's registers for sm_90 of each variant config)
+    python -m benchmarks.diag_fp4_xring --as-built       (the as-built ring's configs only, beside the default)
 
 The reading it tests (s45, from s32's ncu profile of the M=16 default on an H200,
 ``benchmarks/results/nvidia-h200/2026-11-29-s32-fp4-ncu-cuda-b4ce997.txt``): 2 warps a scheduler (167 registers:
@@ -157,11 +158,11 @@ def fp4_xring(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
     return y[0]
 
 
-def configs(m: int) -> list[dict]:
+def configs(m: int, variants: tuple = (1, 2)) -> list[dict]:
     nt = 1 if m <= 8 else 2
     rts = (1,) if m <= 8 else (1, 2)
     return [dict(cuda=True, nt=nt, rw=1, wk=wk, depth=depth, split_k=1, rt=rt, **{"async": a})
-            for rt in rts for wk in (8, 12, 16) for depth in (2, 4) for a in (1, 2)]
+            for rt in rts for wk in (8, 12, 16) for depth in (2, 4) for a in variants]
 
 
 def registers(cfg: dict) -> int:
@@ -182,13 +183,15 @@ def main() -> None:
     p.add_argument("--ms", default="1,16")
     p.add_argument("--rep-ms", type=float, default=30.0)
     p.add_argument("--registers", action="store_true", help="nvcc's registers of each config (no GPU)")
+    p.add_argument("--as-built", action="store_true", help="the as-built ring only (async=1), not the variant")
     p.add_argument("--out", default=None, help="write every row as JSON here")
     args = p.parse_args()
+    variants = (1,) if args.as_built else (1, 2)
     if args.registers:
         print("| M | config (nt, rw, wk, depth, async, rt) | registers | warps an SM by registers | shared KB |\n"
               "| --- | --- | --- | --- | --- |")
         for m in (int(v) for v in args.ms.split(",")):
-            for c in configs(m):
+            for c in configs(m, variants):
                 r = registers(c)
                 warps = c["rw"] * c["wk"]
                 blocks = 65536 // (warps * 32 * ((r + 7) // 8 * 8))
@@ -225,7 +228,7 @@ def main() -> None:
         pick = _fp4_cuda.config(m, n, k, sms)
         ref = row(m, f"default {pick}", lambda q: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale,
                                                                           pick), None)
-        for cfg in configs(m):
+        for cfg in configs(m, variants):
             tag = f"rt={cfg['rt']} wk={cfg['wk']} depth={cfg['depth']} async={cfg['async']}"
             if cfg["async"] == 2:
                 row(m, f"{tag} (x in the ring)", lambda q, c=cfg: fp4_xring(x, q, c), ref)
