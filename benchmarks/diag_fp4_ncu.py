@@ -12,9 +12,11 @@ dot form with decode=2 at M=16, and the fp16-pair GEMV at M=1. ``--cuda``: the C
 occupancy, stalls, pipes and bandwidth is its output's, not this script's.
 
 ``--ceiling`` (no ncu) times, in CUDA-graph replays with rotating buffers as bench_fp4 does, what reading the
-same number of bytes costs at best here: a sum over the bytes (int32 words), and bf16 cuBLAS at M=1 on a weight
-of that many bytes, against the CUDA form at M=1. It says how far the fp4 GEMV is from this card's reading
-speed at this size.
+same number of bytes costs at best here: a sum over the bytes (int32 words), bf16 cuBLAS at M=1 on a weight
+of that many bytes, and a kernel that only reads them (``READ``: 16-byte loads that skip L1, a grid-stride loop
+with U loads in flight a thread, at several block sizes and blocks an SM; the fastest of them, and the next
+four), against the CUDA form at M=1. It says how far the fp4 GEMV is from this card's reading speed at this
+size: a GEMV of these bytes can be no faster than the fastest read of them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,52 @@ def launches(cuda: bool) -> None:
         print(name, flush=True)
 
 
+READ = r"""
+template <int U>
+__global__ void read_only(const uint4 *__restrict__ p, long long n, unsigned *__restrict__ out) {
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  unsigned acc = 0;
+  for (; i + (U - 1) * stride < n; i += U * stride) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w) : "l"(p + i + u * stride));
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 v = p[i];
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9E3779B9u) out[0] = acc;  // kept, so the loads are too; almost never stored
+}
+"""
+
+
+def read_rows(words: list, rep_ms: float) -> list:
+    """``READ`` over each config (block size, blocks an SM, loads in flight a thread): (ms, name), fastest first."""
+    from kpt_compiler.kernels._launch import sm_count
+
+    sms = sm_count(torch.device("cuda"))
+    out = torch.zeros(1, dtype=torch.int32, device="cuda")
+    n16 = words[0].numel() // 4
+    timed = []
+    for u in (1, 2, 4, 8):
+        kernel = torch.cuda._compile_kernel(READ, f"read_only<{u}>", nvcc_options=["-std=c++17"])
+        for threads in (256, 512, 1024):
+            for per_sm in (1, 2, 4, 8):
+                if threads * per_sm > 2048:
+                    continue
+                def fn(w, kernel=kernel, threads=threads, per_sm=per_sm):
+                    kernel(grid=(sms * per_sm, 1, 1), block=(threads, 1, 1), args=[w, n16, out],
+                           stream=torch.cuda.current_stream())
+                t = timing_ms(rotating(fn, words), "cuda", warmup_ms=rep_ms / 5, rep_ms=rep_ms, cuda_graph=True)
+                timed.append((t, f"read only: U={u}, {threads} threads, {per_sm} blocks an SM"))
+    return sorted(timed, key=lambda r: r[0].median)
+
+
 def ceiling(rep_ms: float = 30) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     qs = [_weight(g) for _ in range(4)]
@@ -63,11 +111,16 @@ def ceiling(rep_ms: float = 30) -> None:
     rows = (("sum of int32 words", nbytes, rotating(lambda w: w.sum(), words)),
             (f"bf16 cuBLAS M=1, {N}x{k16}", N * k16 * 2, rotating(lambda w: x16 @ w.t(), w16)),
             (f"fp4 CUDA form M=1, {N}x{K} NVFP4", nbytes,
-             rotating(lambda q: fp4_linear(x, q, config={"cuda": True}), qs)))
+             rotating(lambda q: fp4_linear(x, q, config={"cuda": True}), qs)),
+            (f"fp4 CUDA form M=1, {N}x{K} NVFP4, 12 warps along K (the ring)", nbytes,
+             rotating(lambda q: fp4_linear(x, q, config=dict(cuda=True, rw=1, wk=12, depth=2, split_k=1, rt=1,
+                                                             **{"async": True})), qs)))
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | CUDA-graph replays, median of {rep_ms} ms")
     print("| what | MB read | us | TB/s |\n| --- | --- | --- | --- |")
-    for name, b, fn in rows:
-        t = timing_ms(fn, "cuda", warmup_ms=rep_ms / 5, rep_ms=rep_ms, cuda_graph=True)
+    timed = [(timing_ms(fn, "cuda", warmup_ms=rep_ms / 5, rep_ms=rep_ms, cuda_graph=True), name, b)
+             for name, b, fn in rows]
+    timed += [(t, name, nbytes) for t, name in read_rows(words, rep_ms / 3)[:5]]
+    for t, name, b in timed:
         print(f"| {name} | {b / 1e6:.1f} | {t.median * 1e3:.2f} [{t.p20 * 1e3:.2f}, {t.p80 * 1e3:.2f}] | "
               f"{b / (t.median * 1e-3) / 1e12:.2f} |", flush=True)
 
