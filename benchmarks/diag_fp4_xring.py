@@ -14,6 +14,13 @@ ahead in the same commit group, and each lane reads its own bytes back one 16-by
 then holds 2 x NT registers instead of 8 x NT x 4, so the kernel takes fewer registers, more warps fit an SM,
 and x's loads are as far ahead as the weights'.
 
+Result (s45, one H100, ``benchmarks/results/nvidia-h100-80gb-hbm3/2026-12-07-s45-diag-fp4-xring-call1-288ccd0.txt``):
+the variant is right (the same outputs as the as-built ring at each config) and 2.5-8x slower: 0.093-0.122 ms at
+M=1 and 0.050-0.089 at M=16, against 0.0148-0.0193 and 0.0198-0.0309 for the as-built ring. Not followed up; our
+guess is that x loses L1 (the as-built loads keep x there; ``cp.async.cg`` reads L2 every time), which does not
+explain a factor of 8 at M=1, where x is 28 KB. The as-built ring at 12 warps along K was the fastest config at
+both M (``--as-built``, three runs over two calls).
+
 A kernel-source variant, as ``diag_fp4_l2``'s and ``diag_fp4_splitk``'s are: ``kernels/_fp4_cuda.py`` is hashed
 into the cost model's fp4 tables, so a change there lands only with a recalibration on the H100 and the H200.
 Rows, each a CUDA-graph replay's median over copies of the weight that together take three times L2 (as
