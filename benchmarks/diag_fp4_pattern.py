@@ -102,7 +102,8 @@ def main() -> None:
                                                     nvcc_options=["-std=c++17"])
 
                 def fn(q, kernel=kernel, wk=wk):
-                    kernel(grid=(N // 16, 1, 1), block=(32 * wk, 1, 1), args=[q.packed.view(torch.uint8), q.scales.view(torch.uint8), K, out],
+                    kernel(grid=(N // 16, 1, 1), block=(32 * wk, 1, 1),
+                           args=[q.packed.view(torch.uint8), q.scales.view(torch.uint8), K, out],
                            stream=torch.cuda.current_stream())
                 rows.append((f"loads only, {MODES[mode]}, WK={wk}, {ahead} chunks ahead", time(fn)))
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | {N}x{K} NVFP4 ({nbytes / 1e6:.1f} MB), M=1 | "

@@ -3,6 +3,7 @@
     python -m benchmarks.diag_fp4_xring [--shape 4096x14336] [--ms 1,16] [--rep-ms 30] [--out FILE]
     python -m benchmarks.diag_fp4_xring --registers      (no GPU: nvcc's registers for sm_90 of each variant config)
     python -m benchmarks.diag_fp4_xring --as-built       (the as-built ring's configs only, beside the default)
+    python -m benchmarks.diag_fp4_xring --xw --ms 1      (M=1: x whole in shared memory, staged once a block)
 
 The reading it tests (s45, from s32's ncu profile of the M=16 default on an H200,
 ``benchmarks/results/nvidia-h200/2026-11-29-s32-fp4-ncu-cuda-b4ce997.txt``): 2 warps a scheduler (167 registers:
@@ -116,13 +117,86 @@ EDITS = [
 ]
 
 
-def variant_source() -> str:
+CHUNK_XW = r"""
+// As chunk_mma at one token tile, with x read from all of x in shared memory (xa: this lane's first 16 bytes of
+// the chunk; + 16 a step), one step ahead of its MMAs. M=1: every row g reads token 0, so the lanes broadcast.
+template <int NT>
+__device__ __forceinline__ void chunk_mma_xw(float (&acc)[NT][4], const uint4 lo, const uint4 hi, u32 s_lo,
+                                             u32 s_hi, unsigned xa) {
+  static_assert(NT == 1, "x whole in shared memory: M=1 only");
+  u32 sl0, sl1, sh0, sh1;
+  scale_pairs(s_lo, sl0, sl1);
+  scale_pairs(s_hi, sh0, sh1);
+  const u32 wl[4] = {lo.x, lo.y, lo.z, lo.w};
+  const u32 wh[4] = {hi.x, hi.y, hi.z, hi.w};
+  uint4 xv[2];
+  xv[0] = load_shared(xa);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (j < 3) xv[(j + 1) & 1] = load_shared(xa + (j + 1) * 16);
+    const u32 sl = j < 2 ? sl0 : sl1, sh = j < 2 ? sh0 : sh1;
+    const u32 l8 = wl[j] >> 8, h8 = wh[j] >> 8;
+    const u32 a0 = pair<0>(wl[j], l8, sl), a1 = pair<0>(wh[j], h8, sh), a2 = pair<1>(wl[j], l8, sl),
+              a3 = pair<1>(wh[j], h8, sh);
+    const u32 e0 = pair<2>(wl[j], l8, sl), e1 = pair<2>(wh[j], h8, sh), e2 = pair<3>(wl[j], l8, sl),
+              e3 = pair<3>(wh[j], h8, sh);
+    const uint4 v = xv[j & 1];
+    mma(acc[0], a0, a1, a2, a3, prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z));
+    mma(acc[0], e0, e1, e2, e3, prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
+  }
+}
+
+// NT: 8-token column tiles"""
+
+CALL_AS_BUILT = ("          if (ASYNC)\n            chunk_mma<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
+                 "                          load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1],"
+                 " xb[p % 2]);\n")
+# x whole in shared memory (M=1), staged once a block by plain loads: XW=1, a seventh template argument
+EDITS_XW = [
+    ("\n// NT: 8-token column tiles", CHUNK_XW),
+    ("template <int NT, int RW, int WK, int DEPTH, int ASYNC, int RT>\n__global__",
+     "template <int NT, int RW, int WK, int DEPTH, int ASYNC, int RT, int XW = 0>\n__global__"),
+    ("  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);\n",
+     "  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);\n"
+     "  uint4 *const x_all = ring_all + (ASYNC ? RW * WK * DEPTH * RT * 64 : 0);  // XW: x after the ring\n"
+     "  const unsigned xw = shared_address(x_all) + 64 * t;\n"),
+    ("#define LOAD_X(slot, P)                                                                        \\\n"
+     "  if (i0 + (P) < count) {",
+     "#define LOAD_X(slot, P)                                                                        \\\n"
+     "  if (!XW && i0 + (P) < count) {"),
+    ("  LOAD_X(0, 0)\n",
+     "  if (XW) {  // x's one row into shared memory, once a block, the first weights' loads in flight\n"
+     "    for (int i = threadIdx.x; i < K / 8; i += blockDim.x) x_all[i] = load_cached((const uint4 *)x + i);\n"
+     "    __syncthreads();\n"
+     "  }\n"
+     "  LOAD_X(0, 0)\n"),
+    (CALL_AS_BUILT,
+     "          if (XW) {\n"
+     "            const unsigned xa = xw + (first + WK * (i0 + p)) * 256;\n"
+     "            if (ASYNC)\n"
+     "              chunk_mma_xw<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
+     "                               load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1], xa);\n"
+     "            else\n"
+     "              chunk_mma_xw<NT>(acc[rt], wb[p][rt][0], wb[p][rt][1], sb[p][rt][0], sb[p][rt][1], xa);\n"
+     "          } else\n" + CALL_AS_BUILT),
+]
+
+
+def _edited(edits: list) -> str:
     s = AS_BUILT
-    for a, b in EDITS:
+    for a, b in edits:
         if s.count(a) != 1:
-            raise RuntimeError(f"diag_fp4_xring: the kernel's source no longer has {a[:60]!r} once; update EDITS")
+            raise RuntimeError(f"diag_fp4_xring: the kernel's source no longer has {a[:60]!r} once; update the edits")
         s = s.replace(a, b)
     return s
+
+
+def xw_source() -> str:
+    return _edited(EDITS_XW)
+
+
+def variant_source() -> str:
+    return _edited(EDITS)
 
 
 def shared_bytes(cfg: dict) -> int:
@@ -150,6 +224,37 @@ def _kernel(cfg: dict):
                 raise RuntimeError(f"cuFuncSetAttribute({total} bytes of dynamic shared memory) failed")
         _BUILT[key] = k
     return _BUILT[key]
+
+
+_BUILT_XW: dict = {}
+
+
+def fp4_xw(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
+    """The x-whole-in-shared-memory variant (M=1, split 1): ``cfg``'s ring or register form, XW=1."""
+    (m, k), n = x2.shape, q.packed.shape[0]
+    assert m == 1, "x whole in shared memory: M=1 only"
+    key = _fp4_cuda._key(cfg, 0)
+    shared = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg["async"]), cfg["rt"]) + 2 * k
+    if key not in _BUILT_XW:
+        kern = torch.cuda._compile_kernel(xw_source(), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, "
+                                          f"{cfg['depth']}, {int(cfg['async'])}, {cfg['rt']}, 1>",
+                                          nvcc_options=["-std=c++17"])
+        static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg["rt"])
+        if shared >= 48 * 1024:
+            kern.set_shared_memory_config(shared)
+        elif shared + static > 48 * 1024:
+            lib = torch.cuda._utils._get_gpu_runtime_library()
+            if lib.cuFuncSetAttribute(kern.func, 8, shared) != 0:
+                raise RuntimeError(f"cuFuncSetAttribute({shared} bytes of dynamic shared memory) failed")
+        _BUILT_XW[key] = kern
+    w, s = q.packed.view(torch.int32), q.scales.view(torch.uint8)
+    y = torch.empty((1, m, n), dtype=torch.bfloat16, device=x2.device)
+    _BUILT_XW[key](grid=(-(-n // (16 * cfg["rt"] * cfg["rw"])), 1, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
+                   shared_mem=shared, args=[x2, w, s, q.global_scale.reshape(1).float(), y, m, n, k,
+                                            k // _fp4_cuda.CHUNK, x2.stride(0), w.stride(0), s.stride(0),
+                                            y.stride(0), y.stride(1), 0],
+                   stream=torch.cuda.current_stream())
+    return y[0]
 
 
 def fp4_xring(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
@@ -191,6 +296,8 @@ def main() -> None:
     p.add_argument("--rep-ms", type=float, default=30.0)
     p.add_argument("--registers", action="store_true", help="nvcc's registers of each config (no GPU)")
     p.add_argument("--as-built", action="store_true", help="the as-built ring only (async=1), not the variant")
+    p.add_argument("--xw", action="store_true", help="M=1: x whole in shared memory (register form and ring), "
+                   "beside the as-built ring")
     p.add_argument("--out", default=None, help="write every row as JSON here")
     args = p.parse_args()
     variants = (1,) if args.as_built else (1, 2)
@@ -235,6 +342,14 @@ def main() -> None:
         pick = _fp4_cuda.config(m, n, k, sms)
         ref = row(m, f"default {pick}", lambda q: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale,
                                                                           pick), None)
+        if args.xw:
+            for cfg in (dict(cuda=True, nt=1, rw=1, wk=wk, depth=depth, split_k=1, rt=1, **{"async": a})
+                        for wk in (8, 12, 16) for depth in (2, 4) for a in (0, 1)):
+                tag = f"wk={cfg['wk']} depth={cfg['depth']} {'ring' if cfg['async'] else 'register form'}"
+                row(m, f"{tag}, as built", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
+                                                                                   q.global_scale, c), ref)
+                row(m, f"{tag}, x whole in shared memory", lambda q, c=cfg: fp4_xw(x, q, c), ref)
+            continue
         for cfg in configs(m, variants):
             tag = f"rt={cfg['rt']} wk={cfg['wk']} depth={cfg['depth']} async={cfg['async']}"
             if cfg["async"] == 2:
@@ -248,7 +363,7 @@ def main() -> None:
         mine = sorted((r for r in rows if r["M"] == m), key=lambda r: r["ms"])
         bf16 = next(r["ms"] for r in mine if r["name"] == "bf16 cuBLAS")
         print(f"\n| M={m}: config | ms | vs bf16 | rel. err vs default |\n| --- | --- | --- | --- |")
-        for r in mine[:14] + [r for r in mine[14:] if r["name"].startswith(("default", "bf16"))]:
+        for r in mine if args.xw else mine[:14] + [r for r in mine[14:] if r["name"].startswith(("default", "bf16"))]:
             print(f"| {r['name']} | {r['ms']:.4f} | {bf16 / r['ms']:.2f}x | {r['rel_err']:.1e} |")
     if args.out:
         with open(args.out, "w") as f:
