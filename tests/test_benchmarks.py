@@ -435,3 +435,23 @@ def test_the_l2_diagnosis_variants_still_apply_to_the_kernel_source():
     for exp in ("evict-first", "prefetch"):
         for name, (variant, *_) in d.variants(exp).items():
             assert "fp4_mma_sync" in d.source(*variant), (exp, name)
+
+
+def test_the_x_placement_variants_still_apply_to_the_kernel_source():
+    """``benchmarks/diag_fp4_xring.py`` edits the CUDA form's source into its variants (x through the ring; x whole
+    in shared memory at M=1): each edit must still find its one place, and each variant must keep the as-built
+    kernel as a case of it (the as-built calls are still there, the variants' own are added)."""
+    from benchmarks import diag_fp4_xring as d
+
+    ring, whole = d.variant_source(), d.xw_source()
+    assert ring.count("chunk_mma_xs<NT>(") == 1 and ring.count("if (ASYNC != 2 && i0 + (P) < count)") == 1
+    assert whole.count("chunk_mma_xw<NT>(") == 2 and "int RT, int XW = 0>" in whole
+    for s in (ring, whole):
+        assert s.count("chunk_mma<NT>(") == d.AS_BUILT.count("chunk_mma<NT>(")
+    broken = d.AS_BUILT.replace("  LOAD_X(0, 0)\n", "")
+    d.AS_BUILT, saved = broken, d.AS_BUILT
+    try:
+        with pytest.raises(RuntimeError, match="no longer has"):
+            d.xw_source()
+    finally:
+        d.AS_BUILT = saved
