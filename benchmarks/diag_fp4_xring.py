@@ -105,9 +105,9 @@ EDITS = [
      "  }                                                                                            \\\n"
      "  if (ASYNC) cp_async_commit();"),
     ("#define LOAD_X(slot, P)                                                                        \\\n"
-     "  if (i0 + (P) < count) {",
+     "  if (",
      "#define LOAD_X(slot, P)                                                                        \\\n"
-     "  if (ASYNC != 2 && i0 + (P) < count) {"),
+     "  if (ASYNC != 2 && "),
     ("          if (ASYNC)\n            chunk_mma<NT>(",
      "          if (ASYNC == 2)\n"
      "            chunk_mma_xs<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
@@ -171,7 +171,7 @@ EDITS_XW = [
      "  }\n"
      "  LOAD_X(0, 0)\n"),
     (CALL_AS_BUILT,
-     "          if (XW) {\n"
+     "          if constexpr (XW) {  // not instantiated without XW: chunk_mma_xw is for one token tile\n"
      "            const unsigned xa = xw + (first + WK * (i0 + p)) * 256;\n"
      "            if (ASYNC)\n"
      "              chunk_mma_xw<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
@@ -192,7 +192,8 @@ def _edited(edits: list) -> str:
 
 
 def xw_source() -> str:
-    return _edited(EDITS_XW)
+    """The kernel with XW, as built where it has it already, else with EDITS_XW applied."""
+    return AS_BUILT if "int XW = 0>" in AS_BUILT else _edited(EDITS_XW)
 
 
 def variant_source() -> str:
