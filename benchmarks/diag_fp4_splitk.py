@@ -24,14 +24,10 @@ import argparse
 import json
 
 import torch
-import torch.nn.functional as F
 
-from kpt_compiler.bench import relative_error, timing_ms
 from kpt_compiler.kernels import _fp4_cuda
-from kpt_compiler.kernels import _fp4_format as fmt
-from kpt_compiler.kernels._launch import sm_count
 
-from .bench_fp4 import copies_for, rotating
+from ._fp4_diag import Rows
 
 AS_BUILT = _fp4_cuda.SOURCE
 FIXUP = r"""
@@ -128,50 +124,20 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write every row as JSON here")
     args = p.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
-    dev = "cuda"
-    torch.manual_seed(0)
-    w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
-    q0 = fmt.quantize(w, fmt.NVFP4)
-    qs = [q0] + [fmt.quantize(w, fmt.NVFP4) for _ in range(copies_for(q0.nbytes(), dev) - 1)]
-    ws = [w] + [w.clone() for _ in range(copies_for(2 * n * k, dev) - 1)]
-    sms = sm_count(torch.device(dev))
-    rows = []
-
-    def row(m, name, fn, ref):
-        try:
-            out = fn(qs[0])
-            err = relative_error(out.float(), ref.float()) if ref is not None else 0.0
-            ms = timing_ms(rotating(fn, qs), dev, warmup_ms=args.rep_ms / 5, rep_ms=args.rep_ms, cuda_graph=True).median
-        except Exception as e:  # noqa: BLE001 - a config that does not build or fit: on record, skipped
-            print(f"  M={m} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            return None
-        rows.append(dict(M=m, name=name, ms=ms, rel_err=err))
-        return out
-
+    t = Rows(n, k, args.rep_ms)
     for m in (int(v) for v in args.ms.split(",")):
-        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-        bf16 = timing_ms(rotating(lambda w_: F.linear(x, w_), ws), dev, warmup_ms=args.rep_ms / 5,
-                         rep_ms=args.rep_ms, cuda_graph=True).median
-        rows.append(dict(M=m, name="bf16 cuBLAS", ms=bf16, rel_err=0.0))
-        pick = _fp4_cuda.config(m, n, k, sms)
-        ref = row(m, f"default {pick}", lambda q: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale,
-                                                                          pick), None)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        t.bf16(m, x)
+        ref = t.default(m, x)
         for cfg in split_configs(m):
             tag = f"rw={cfg['rw']} wk={cfg['wk']} split={cfg['split_k']} depth={cfg['depth']}"
-            row(m, f"{tag}, sum after", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
-                                                                                    q.global_scale, c), ref)
-            row(m, f"{tag}, sum in kernel", lambda q, c=cfg: fp4_fixup(x, q, c), ref)
-    print(f"{torch.cuda.get_device_name(0)}, {sms} SMs, torch {torch.__version__}; {n}x{k}, NVFP4, "
-          f"CUDA-graph replays over {len(qs)} copies of the weight")
-    for m in sorted({r["M"] for r in rows}):
-        mine = sorted((r for r in rows if r["M"] == m), key=lambda r: r["ms"])
-        bf16 = next(r["ms"] for r in mine if r["name"] == "bf16 cuBLAS")
-        print(f"\n| M={m}: config | ms | vs bf16 | rel. err vs default |\n| --- | --- | --- | --- |")
-        for r in mine[:12] + [r for r in mine[12:] if r["name"].startswith(("default", "bf16"))]:
-            print(f"| {r['name']} | {r['ms']:.4f} | {bf16 / r['ms']:.2f}x | {r['rel_err']:.1e} |")
+            t.row(m, f"{tag}, sum after", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
+                                                                                  q.global_scale, c), ref)
+            t.row(m, f"{tag}, sum in kernel", lambda q, c=cfg: fp4_fixup(x, q, c), ref)
+    t.print(12)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(t.rows, f, indent=1)
 
 
 if __name__ == "__main__":

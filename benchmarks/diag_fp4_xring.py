@@ -39,14 +39,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from kpt_compiler.bench import relative_error, timing_ms
 from kpt_compiler.kernels import _fp4_cuda
-from kpt_compiler.kernels import _fp4_format as fmt
-from kpt_compiler.kernels._launch import sm_count
 
-from .bench_fp4 import copies_for, rotating
+from ._fp4_diag import Rows, build, launch
 
 AS_BUILT = _fp4_cuda.SOURCE
 
@@ -210,65 +206,24 @@ def shared_bytes(cfg: dict) -> int:
 _BUILT: dict = {}
 
 
-def _kernel(cfg: dict):
-    key = _fp4_cuda._key(cfg, 0)
+def fp4_xring(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
+    """``fp4_linear_cuda``'s launch (split 1) of the x-through-the-ring variant (ASYNC=2)."""
+    key, shared = (_fp4_cuda._key(cfg, 0), 2), shared_bytes(cfg)
     if key not in _BUILT:
-        k = torch.cuda._compile_kernel(variant_source(), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, "
-                                       f"{cfg['depth']}, 2, {cfg['rt']}>", nvcc_options=["-std=c++17"])
-        total = shared_bytes(cfg)
-        static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg["rt"])
-        if total >= 48 * 1024:
-            k.set_shared_memory_config(total)
-        elif total + static > 48 * 1024:
-            lib = torch.cuda._utils._get_gpu_runtime_library()
-            if lib.cuFuncSetAttribute(k.func, 8, total) != 0:
-                raise RuntimeError(f"cuFuncSetAttribute({total} bytes of dynamic shared memory) failed")
-        _BUILT[key] = k
-    return _BUILT[key]
-
-
-_BUILT_XW: dict = {}
+        _BUILT[key] = build(variant_source(), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, "
+                            f"2, {cfg['rt']}>", cfg, shared)
+    return launch(_BUILT[key], x2, q, cfg, shared)
 
 
 def fp4_xw(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
     """The x-whole-in-shared-memory variant (M=1, split 1): ``cfg``'s ring or register form, XW=1."""
-    (m, k), n = x2.shape, q.packed.shape[0]
-    assert m == 1, "x whole in shared memory: M=1 only"
-    key = _fp4_cuda._key(cfg, 0)
-    shared = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg["async"]), cfg["rt"]) + 2 * k
-    if key not in _BUILT_XW:
-        kern = torch.cuda._compile_kernel(xw_source(), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, "
-                                          f"{cfg['depth']}, {int(cfg['async'])}, {cfg['rt']}, 1>",
-                                          nvcc_options=["-std=c++17"])
-        static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg["rt"])
-        if shared >= 48 * 1024:
-            kern.set_shared_memory_config(shared)
-        elif shared + static > 48 * 1024:
-            lib = torch.cuda._utils._get_gpu_runtime_library()
-            if lib.cuFuncSetAttribute(kern.func, 8, shared) != 0:
-                raise RuntimeError(f"cuFuncSetAttribute({shared} bytes of dynamic shared memory) failed")
-        _BUILT_XW[key] = kern
-    w, s = q.packed.view(torch.int32), q.scales.view(torch.uint8)
-    y = torch.empty((1, m, n), dtype=torch.bfloat16, device=x2.device)
-    _BUILT_XW[key](grid=(-(-n // (16 * cfg["rt"] * cfg["rw"])), 1, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-                   shared_mem=shared, args=[x2, w, s, q.global_scale.reshape(1).float(), y, m, n, k,
-                                            k // _fp4_cuda.CHUNK, x2.stride(0), w.stride(0), s.stride(0),
-                                            y.stride(0), y.stride(1), 0],
-                   stream=torch.cuda.current_stream())
-    return y[0]
-
-
-def fp4_xring(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
-    """``fp4_linear_cuda``'s launch (split 1) of the variant."""
-    (m, k), n = x2.shape, q.packed.shape[0]
-    w, s = q.packed.view(torch.int32), q.scales.view(torch.uint8)
-    y = torch.empty((1, m, n), dtype=torch.bfloat16, device=x2.device)
-    _kernel(cfg)(grid=(-(-n // (16 * cfg["rt"] * cfg["rw"])), 1, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-                 shared_mem=shared_bytes(cfg), args=[x2, w, s, q.global_scale.reshape(1).float(), y, m, n, k,
-                                                     k // _fp4_cuda.CHUNK, x2.stride(0), w.stride(0), s.stride(0),
-                                                     y.stride(0), y.stride(1), 0],
-                 stream=torch.cuda.current_stream())
-    return y[0]
+    assert x2.shape[0] == 1, "x whole in shared memory: M=1 only"
+    key = (_fp4_cuda._key(cfg, 0), "xw")
+    shared = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg["async"]), cfg["rt"]) + 2 * x2.shape[1]
+    if key not in _BUILT:
+        _BUILT[key] = build(xw_source(), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, "
+                            f"{int(cfg['async'])}, {cfg['rt']}, 1>", cfg, shared)
+    return launch(_BUILT[key], x2, q, cfg, shared)
 
 
 def configs(m: int, variants: tuple = (1, 2)) -> list[dict]:
@@ -315,60 +270,30 @@ def main() -> None:
                       f"{blocks * warps} | {kb:.0f} |")
         return
     n, k = (int(v) for v in args.shape.split("x"))
-    dev = "cuda"
-    torch.manual_seed(0)
-    w = (torch.randn(n, k, device=dev) * 0.02).to(torch.bfloat16)
-    q0 = fmt.quantize(w, fmt.NVFP4)
-    qs = [q0] + [fmt.quantize(w, fmt.NVFP4) for _ in range(copies_for(q0.nbytes(), dev) - 1)]
-    ws = [w] + [w.clone() for _ in range(copies_for(2 * n * k, dev) - 1)]
-    sms = sm_count(torch.device(dev))
-    rows = []
-
-    def row(m, name, fn, ref):
-        try:
-            out = fn(qs[0])
-            err = relative_error(out.float(), ref.float()) if ref is not None else 0.0
-            ms = timing_ms(rotating(fn, qs), dev, warmup_ms=args.rep_ms / 5, rep_ms=args.rep_ms, cuda_graph=True).median
-        except Exception as e:  # noqa: BLE001 - a config that does not build or fit: on record, skipped
-            print(f"  M={m} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-            return None
-        rows.append(dict(M=m, name=name, ms=ms, rel_err=err))
-        return out
-
+    t = Rows(n, k, args.rep_ms)
     for m in (int(v) for v in args.ms.split(",")):
-        x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-        bf16 = timing_ms(rotating(lambda w_: F.linear(x, w_), ws), dev, warmup_ms=args.rep_ms / 5,
-                         rep_ms=args.rep_ms, cuda_graph=True).median
-        rows.append(dict(M=m, name="bf16 cuBLAS", ms=bf16, rel_err=0.0))
-        pick = _fp4_cuda.config(m, n, k, sms)
-        ref = row(m, f"default {pick}", lambda q: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale,
-                                                                          pick), None)
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        t.bf16(m, x)
+        ref = t.default(m, x)
         if args.xw:
             for cfg in (dict(cuda=True, nt=1, rw=1, wk=wk, depth=depth, split_k=1, rt=1, **{"async": a})
                         for wk in (8, 12, 16) for depth in (2, 4) for a in (0, 1)):
                 tag = f"wk={cfg['wk']} depth={cfg['depth']} {'ring' if cfg['async'] else 'register form'}"
-                row(m, f"{tag}, as built", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
-                                                                                   q.global_scale, c), ref)
-                row(m, f"{tag}, x whole in shared memory", lambda q, c=cfg: fp4_xw(x, q, c), ref)
+                t.row(m, f"{tag}, as built", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
+                                                                                     q.global_scale, c), ref)
+                t.row(m, f"{tag}, x whole in shared memory", lambda q, c=cfg: fp4_xw(x, q, c), ref)
             continue
         for cfg in configs(m, variants):
             tag = f"rt={cfg['rt']} wk={cfg['wk']} depth={cfg['depth']} async={cfg['async']}"
             if cfg["async"] == 2:
-                row(m, f"{tag} (x in the ring)", lambda q, c=cfg: fp4_xring(x, q, c), ref)
+                t.row(m, f"{tag} (x in the ring)", lambda q, c=cfg: fp4_xring(x, q, c), ref)
             else:
-                row(m, tag, lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale, c),
-                    ref)
-    print(f"{torch.cuda.get_device_name(0)}, {sms} SMs, torch {torch.__version__}; {n}x{k}, NVFP4, "
-          f"CUDA-graph replays over {len(qs)} copies of the weight")
-    for m in sorted({r["M"] for r in rows}):
-        mine = sorted((r for r in rows if r["M"] == m), key=lambda r: r["ms"])
-        bf16 = next(r["ms"] for r in mine if r["name"] == "bf16 cuBLAS")
-        print(f"\n| M={m}: config | ms | vs bf16 | rel. err vs default |\n| --- | --- | --- | --- |")
-        for r in mine if args.xw else mine[:14] + [r for r in mine[14:] if r["name"].startswith(("default", "bf16"))]:
-            print(f"| {r['name']} | {r['ms']:.4f} | {bf16 / r['ms']:.2f}x | {r['rel_err']:.1e} |")
+                t.row(m, tag, lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale, c),
+                      ref)
+    t.print(None if args.xw else 14)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(t.rows, f, indent=1)
 
 
 if __name__ == "__main__":
