@@ -53,6 +53,13 @@ class Rows:
         return self.row(m, f"default {pick}", lambda q: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
                                                                                  q.global_scale, pick), None)
 
+    def each_m(self, ms: str):
+        """For each M of ``ms`` (comma-separated): (M, x, the default's output), after bf16's and the default's rows."""
+        for m in (int(v) for v in ms.split(",")):
+            x = torch.randn(m, self.k, device=self.device).to(torch.bfloat16)
+            self.bf16(m, x)
+            yield m, x, self.default(m, x)
+
     def print(self, top: int | None) -> None:
         """A table a M: the fastest ``top`` rows (all with None), then the default and bf16 where not among them."""
         print(f"{torch.cuda.get_device_name(0)}, {self.sms} SMs, torch {torch.__version__}; {self.n}x{self.k}, "

@@ -123,12 +123,8 @@ def main() -> None:
     p.add_argument("--rep-ms", type=float, default=30.0)
     p.add_argument("--out", default=None, help="write every row as JSON here")
     args = p.parse_args()
-    n, k = (int(v) for v in args.shape.split("x"))
-    t = Rows(n, k, args.rep_ms)
-    for m in (int(v) for v in args.ms.split(",")):
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        t.bf16(m, x)
-        ref = t.default(m, x)
+    t = Rows(*(int(v) for v in args.shape.split("x")), args.rep_ms)
+    for m, x, ref in t.each_m(args.ms):
         for cfg in split_configs(m):
             tag = f"rw={cfg['rw']} wk={cfg['wk']} split={cfg['split_k']} depth={cfg['depth']}"
             t.row(m, f"{tag}, sum after", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,

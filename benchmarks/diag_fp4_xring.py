@@ -269,12 +269,8 @@ def main() -> None:
                 print(f"| {m} | {(c['nt'], c['rw'], c['wk'], c['depth'], c['async'], c['rt'])} | {r} | "
                       f"{blocks * warps} | {kb:.0f} |")
         return
-    n, k = (int(v) for v in args.shape.split("x"))
-    t = Rows(n, k, args.rep_ms)
-    for m in (int(v) for v in args.ms.split(",")):
-        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        t.bf16(m, x)
-        ref = t.default(m, x)
+    t = Rows(*(int(v) for v in args.shape.split("x")), args.rep_ms)
+    for m, x, ref in t.each_m(args.ms):
         if args.xw:
             for cfg in (dict(cuda=True, nt=1, rw=1, wk=wk, depth=depth, split_k=1, rt=1, **{"async": a})
                         for wk in (8, 12, 16) for depth in (2, 4) for a in (0, 1)):
