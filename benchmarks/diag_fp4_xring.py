@@ -2,6 +2,7 @@
 
     python -m benchmarks.diag_fp4_xring [--shape 4096x14336] [--ms 1,16] [--rep-ms 30] [--out FILE]
     python -m benchmarks.diag_fp4_xring --registers      (no GPU: nvcc's registers for sm_90 of each variant config)
+    python -m benchmarks.diag_fp4_xring --registers --xw (no GPU: the same for the XW variant at M=1)
     python -m benchmarks.diag_fp4_xring --as-built       (the as-built ring's configs only, beside the default)
     python -m benchmarks.diag_fp4_xring --xw --ms 1      (M=1: x whole in shared memory, staged once a block)
 
@@ -233,13 +234,20 @@ def configs(m: int, variants: tuple = (1, 2)) -> list[dict]:
             for rt in rts for wk in (8, 12, 16) for depth in (2, 4) for a in variants]
 
 
-def registers(cfg: dict) -> int:
-    """ptxas's registers for sm_90 (nvcc on PATH) of the variant's build of ``cfg``."""
+def xw_configs() -> list[dict]:
+    """The --xw configs at M=1: register form and ring, 8/12/16 warps along K, 2 and 4 chunks in flight."""
+    return [dict(cuda=True, nt=1, rw=1, wk=wk, depth=depth, split_k=1, rt=1, **{"async": a})
+            for wk in (8, 12, 16) for depth in (2, 4) for a in (0, 1)]
+
+
+def registers(cfg: dict, xw: bool = False) -> int:
+    """ptxas's registers for sm_90 (nvcc on PATH) of a variant's build of ``cfg`` (the XW one with ``xw``)."""
     args = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
+    targs = f"{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, {int(cfg['async'])}, {cfg['rt']}" + (
+        ", 1" if xw else "")
     with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "k.cu").write_text(variant_source() + f"template __global__ void fp4_mma_sync<{cfg['nt']}, "
-                                      f"{cfg['rw']}, {cfg['wk']}, {cfg['depth']}, {cfg['async']}, {cfg['rt']}>"
-                                      f"({args});\n")
+        (Path(d) / "k.cu").write_text((xw_source() if xw else variant_source())
+                                      + f"template __global__ void fp4_mma_sync<{targs}>({args});\n")
         built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
                                 f"{d}/k.cubin", f"{d}/k.cu"], check=True, capture_output=True, text=True)
         return int(re.search(r"Used (\d+) registers", built.stderr).group(1))
@@ -257,23 +265,26 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write every row as JSON here")
     args = p.parse_args()
     variants = (1,) if args.as_built else (1, 2)
-    if args.registers:
-        print("| M | config (nt, rw, wk, depth, async, rt) | registers | warps an SM by registers | shared KB |\n"
+    if args.registers:  # shared KB: dynamic and static, at --shape's K for XW
+        k = int(args.shape.split("x")[1])
+        print(f"| M | config (nt, rw, wk, depth, async, rt) | registers | warps an SM by registers | shared KB |\n"
               "| --- | --- | --- | --- | --- |")
-        for m in (int(v) for v in args.ms.split(",")):
-            for c in configs(m, variants):
-                r = registers(c)
-                warps = c["rw"] * c["wk"]
-                blocks = 65536 // (warps * 32 * ((r + 7) // 8 * 8))
-                kb = (shared_bytes(c) + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"])) / 1024
-                print(f"| {m} | {(c['nt'], c['rw'], c['wk'], c['depth'], c['async'], c['rt'])} | {r} | "
-                      f"{blocks * warps} | {kb:.0f} |")
+        rows = [(1, c, True) for c in xw_configs()] if args.xw else [
+            (m, c, False) for m in (int(v) for v in args.ms.split(",")) for c in configs(m, variants)]
+        for m, c, xw in rows:
+            r = registers(c, xw)
+            warps = c["rw"] * c["wk"]
+            blocks = 65536 // (warps * 32 * ((r + 7) // 8 * 8))
+            dyn = (_fp4_cuda.ring_bytes(c["rw"], c["wk"], c["depth"], int(c["async"]), c["rt"]) + 2 * k if xw
+                   else shared_bytes(c))
+            kb = (dyn + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"])) / 1024
+            print(f"| {m} | {(c['nt'], c['rw'], c['wk'], c['depth'], c['async'], c['rt'])}{' XW' if xw else ''} | "
+                  f"{r} | {blocks * warps} | {kb:.0f} |")
         return
     t = Rows(*(int(v) for v in args.shape.split("x")), args.rep_ms)
     for m, x, ref in t.each_m(args.ms):
         if args.xw:
-            for cfg in (dict(cuda=True, nt=1, rw=1, wk=wk, depth=depth, split_k=1, rt=1, **{"async": a})
-                        for wk in (8, 12, 16) for depth in (2, 4) for a in (0, 1)):
+            for cfg in xw_configs():
                 tag = f"wk={cfg['wk']} depth={cfg['depth']} {'ring' if cfg['async'] else 'register form'}"
                 t.row(m, f"{tag}, as built", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
                                                                                      q.global_scale, c), ref)
