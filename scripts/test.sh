@@ -20,9 +20,22 @@ say "tests on torch 2.13"
 .venv/bin/python -m pytest -q -m "not gpu" "$@"
 
 say "environment .venv-xla: torch 2.9.0 + torch_xla 2.9.0 (torch_xla 2.9 works only with torch 2.9)"
+# torch 2.9.0 from PyPI is a CUDA build: the environment takes about 7.1 GB (4.3 GB of it nvidia-* libraries that
+# `import torch` loads even on the CPU), and pip needs room for the wheels while it installs. A machine with less
+# free disk skips this stage and says so, rather than failing half-way with "No space left on device"; every test
+# but the three XLA ones has already run above, on torch 2.13.
+NEED_MB=${KPT_XLA_NEED_MB:-11000}
+if [ ! -d .venv-xla ]; then  # an existing environment is used as it is
+  FREE_MB=$(df -Pm . | awk 'NR==2 {print $4}')
+  if [ "$FREE_MB" -lt "$NEED_MB" ]; then
+    say "SKIPPED the torch 2.9 + torch_xla stage: it needs about $NEED_MB MB of free disk, this machine has $FREE_MB MB"
+    echo "tests/test_xla.py and the torch 2.9 run did not run here; free disk (or set KPT_XLA_NEED_MB) to run them."
+    exit 0
+  fi
+fi
 [ -x .venv-xla/bin/python ] || "$PY" -m venv .venv-xla
-.venv-xla/bin/pip install -q torch==2.9.0
-.venv-xla/bin/pip install -q torch_xla==2.9.0
+.venv-xla/bin/pip install -q --no-cache-dir torch==2.9.0
+.venv-xla/bin/pip install -q --no-cache-dir torch_xla==2.9.0
 .venv-xla/bin/pip install -q -e ".[test]"
 
 say "tests on torch 2.9 with torch_xla (PJRT_DEVICE=CPU)"
