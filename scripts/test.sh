@@ -24,7 +24,7 @@ say "environment .venv-xla: torch 2.9.0 + torch_xla 2.9.0 (torch_xla 2.9 works o
 # `import torch` loads even on the CPU), and pip needs room for the wheels while it installs. A machine with less
 # free disk skips this stage and says so, rather than failing half-way with "No space left on device"; every test
 # but the three XLA ones has already run above, on torch 2.13.
-NEED_MB=${KPT_XLA_NEED_MB:-11000}
+NEED_MB=${KPT_XLA_NEED_MB:-12000}
 if [ ! -d .venv-xla ]; then  # an existing environment is used as it is
   FREE_MB=$(df -Pm . | awk 'NR==2 {print $4}')
   if [ "$FREE_MB" -lt "$NEED_MB" ]; then
