@@ -5,6 +5,7 @@
     python -m benchmarks.diag_fp4_xring --registers --xw (no GPU: the same for the XW variant at M=1)
     python -m benchmarks.diag_fp4_xring --as-built       (the as-built ring's configs only, beside the default)
     python -m benchmarks.diag_fp4_xring --xw --ms 1      (M=1: x whole in shared memory, staged once a block)
+    python -m benchmarks.diag_fp4_xring --x-pinned       (a bound, not a kernel: x's reads kept in L1)
 
 The reading it tests (s45, from s32's ncu profile of the M=16 default on an H200,
 ``benchmarks/results/nvidia-h200/2026-11-29-s32-fp4-ncu-cuda-b4ce997.txt``): 2 warps a scheduler (167 registers:
@@ -179,6 +180,18 @@ EDITS_XW = [
 ]
 
 
+# A bound, not a kernel (its outputs are wrong): every chunk a warp decodes reads x's bytes of the warp's first chunk,
+# so x comes from L1 after the first chunk where the as-built kernel reads a new 4 KB of it (M=16) from L2 each chunk.
+# At M=16 and 4096x14336 the 128 blocks of the default read x from L2 once each, 59 MB against 33 MB of weights
+# (s42's reading; s43's row groups over a split of K, which cut it, were not faster on an H200): the time this saves
+# is what x's L2 traffic costs, with every other instruction as built.
+EDITS_X_PINNED = [
+    ("xb[slot][nt][q] = load_cached(x_row[nt] + 16 * WK * (P) + q);",
+     "xb[slot][nt][q] = load_cached(x_row[nt] + q);  /* pinned */"),
+    ("    for (int nt = 0; nt < NT; ++nt) x_row[nt] += 16 * WK * DEPTH;\n", "\n"),
+]
+
+
 def _edited(edits: list) -> str:
     s = AS_BUILT
     for a, b in edits:
@@ -195,6 +208,16 @@ def xw_source() -> str:
 
 def variant_source() -> str:
     return _edited(EDITS)
+
+
+def x_pinned(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
+    """The as-built kernel at ``cfg`` (split 1) with x's reads pinned to each warp's first chunk (EDITS_X_PINNED)."""
+    key = (_fp4_cuda._key(cfg, 0), "x pinned")
+    shared = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1))
+    if key not in _BUILT:
+        _BUILT[key] = build(_edited(EDITS_X_PINNED), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, "
+                            f"{cfg['depth']}, {int(cfg.get('async', False))}, {cfg.get('rt', 1)}>", cfg, shared)
+    return launch(_BUILT[key], x2, q, cfg, shared)
 
 
 def shared_bytes(cfg: dict) -> int:
@@ -262,6 +285,8 @@ def main() -> None:
     p.add_argument("--as-built", action="store_true", help="the as-built ring only (async=1), not the variant")
     p.add_argument("--xw", action="store_true", help="M=1: x whole in shared memory (register form and ring), "
                    "beside the as-built ring")
+    p.add_argument("--x-pinned", action="store_true", help="each M's default and the as-built ring at 8, 12 and 16 "
+                   "warps along K, beside the same with x's reads kept in L1 (a bound: wrong outputs)")
     p.add_argument("--out", default=None, help="write every row as JSON here")
     args = p.parse_args()
     variants = (1,) if args.as_built else (1, 2)
@@ -283,6 +308,15 @@ def main() -> None:
         return
     t = Rows(*(int(v) for v in args.shape.split("x")), args.rep_ms)
     for m, x, ref in t.each_m(args.ms):
+        if args.x_pinned:
+            pick = {k: v for k, v in _fp4_cuda.config(m, t.n, t.k, t.sms).items() if k != "split_k"}
+            for cfg in [dict(pick, split_k=1)] + [c for c in configs(m, (1,)) if c["depth"] == 2]:
+                tag = "default" if cfg == dict(pick, split_k=1) else (
+                    f"rt={cfg['rt']} wk={cfg['wk']} depth={cfg['depth']} ring")
+                t.row(m, f"{tag}, as built", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
+                                                                                     q.global_scale, c), ref)
+                t.row(m, f"{tag}, x pinned (a bound)", lambda q, c=cfg: x_pinned(x, q, c), None)
+            continue
         if args.xw:
             for cfg in xw_configs():
                 tag = f"wk={cfg['wk']} depth={cfg['depth']} {'ring' if cfg['async'] else 'register form'}"
@@ -297,7 +331,7 @@ def main() -> None:
             else:
                 t.row(m, tag, lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale, c),
                       ref)
-    t.print(None if args.xw else 14)
+    t.print(None if args.xw or args.x_pinned else 14)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(t.rows, f, indent=1)
