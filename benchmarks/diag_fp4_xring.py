@@ -48,46 +48,41 @@ from ._fp4_diag import Rows, build, launch
 
 AS_BUILT = _fp4_cuda.SOURCE
 
-CHUNK_XS = r"""
-// As chunk_mma, with x read from the lane's own bytes of the ring (xs: slot's token tile 0, step 0; + 2048 a
-// token tile, + 512 a step), one step ahead of its MMAs.
-template <int NT>
-__device__ __forceinline__ void chunk_mma_xs(float (&acc)[NT][4], const uint4 lo, const uint4 hi, u32 s_lo,
-                                             u32 s_hi, unsigned xs) {
-  u32 sl0, sl1, sh0, sh1;
-  scale_pairs(s_lo, sl0, sl1);
-  scale_pairs(s_hi, sh0, sh1);
-  const u32 wl[4] = {lo.x, lo.y, lo.z, lo.w};
-  const u32 wh[4] = {hi.x, hi.y, hi.z, hi.w};
-  uint4 xv[2][NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) xv[0][nt] = load_shared(xs + nt * 2048);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    if (j < 3) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) xv[(j + 1) & 1][nt] = load_shared(xs + nt * 2048 + (j + 1) * 512);
-    }
-    const u32 sl = j < 2 ? sl0 : sl1, sh = j < 2 ? sh0 : sh1;
-    const u32 l8 = wl[j] >> 8, h8 = wh[j] >> 8;
-    const u32 a0 = pair<0>(wl[j], l8, sl), a1 = pair<0>(wh[j], h8, sh), a2 = pair<1>(wl[j], l8, sl),
-              a3 = pair<1>(wh[j], h8, sh);
-    const u32 e0 = pair<2>(wl[j], l8, sl), e1 = pair<2>(wh[j], h8, sh), e2 = pair<3>(wl[j], l8, sl),
-              e3 = pair<3>(wh[j], h8, sh);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const uint4 v = xv[j & 1][nt];
-      mma(acc[nt], a0, a1, a2, a3, prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z));
-      mma(acc[nt], e0, e1, e2, e3, prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
-    }
-  }
-}
+def _apply(s: str, edits: list) -> str:
+    for a, b in edits:
+        if s.count(a) != 1:
+            raise RuntimeError(f"diag_fp4_xring: the kernel's source no longer has {a[:60]!r} once; update the edits")
+        s = s.replace(a, b)
+    return s
 
-// NT: 8-token column tiles"""
+
+def chunk_from_shared() -> str:
+    """The as-built ``chunk_mma``, with x read from shared memory one 16-byte step ahead of its MMAs instead of from
+    registers: ``chunk_mma_sh<NT, TILE, STEP>(..., xs)`` reads token tile nt's step j at xs + nt TILE + j STEP (the
+    ring's x: 2048 and 512; x whole at M=1: 0 and 16). Derived from the kernel's own text, so the decode is its."""
+    start = AS_BUILT.index("template <int NT>\n__device__ __forceinline__ void chunk_mma(")
+    fn = AS_BUILT[start:AS_BUILT.index("\n}\n", start) + 3]
+    return _apply(fn, [
+        ("template <int NT>\n", "// chunk_mma with x from shared memory (diag_fp4_xring)\n"
+                                "template <int NT, int TILE, int STEP>\n"),
+        ("void chunk_mma(", "void chunk_mma_sh("),
+        ("const uint4 (&xv)[NT][4]) {\n",
+         "unsigned xs) {\n  uint4 xv[2][NT];\n#pragma unroll\n"
+         "  for (int nt = 0; nt < NT; ++nt) xv[0][nt] = load_shared(xs + nt * TILE);\n"),
+        ("  for (int j = 0; j < 4; ++j) {\n",
+         "  for (int j = 0; j < 4; ++j) {\n    if (j < 3) {\n#pragma unroll\n"
+         "      for (int nt = 0; nt < NT; ++nt) xv[(j + 1) & 1][nt] = load_shared(xs + nt * TILE + (j + 1) * STEP);\n"
+         "    }\n"),
+        ("const uint4 v = xv[nt][j];", "const uint4 v = xv[j & 1][nt];"),
+    ])
+
+
+NT_COMMENT = "\n// NT: 8-token column tiles"
+
 
 # (old, new) pairs applied once each to the kernel as built
 EDITS = [
-    ("\n// NT: 8-token column tiles", CHUNK_XS),
+    (NT_COMMENT, "\n" + chunk_from_shared() + NT_COMMENT),
     ("  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);\n",
      "  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);\n"
      "  // ASYNC 2: x's ring after every warp's weights: DEPTH chunks a warp, [slot][token tile][step][lane]\n"
@@ -108,50 +103,19 @@ EDITS = [
      "  if (ASYNC != 2 && "),
     ("          if (ASYNC)\n            chunk_mma<NT>(",
      "          if (ASYNC == 2)\n"
-     "            chunk_mma_xs<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
+     "            chunk_mma_sh<NT, 2048, 512>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
      "                             load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1],\n"
      "                             xring + p * NT * 2048);\n"
      "          else if (ASYNC)\n            chunk_mma<NT>("),
 ]
 
 
-CHUNK_XW = r"""
-// As chunk_mma at one token tile, with x read from all of x in shared memory (xa: this lane's first 16 bytes of
-// the chunk; + 16 a step), one step ahead of its MMAs. M=1: every row g reads token 0, so the lanes broadcast.
-template <int NT>
-__device__ __forceinline__ void chunk_mma_xw(float (&acc)[NT][4], const uint4 lo, const uint4 hi, u32 s_lo,
-                                             u32 s_hi, unsigned xa) {
-  static_assert(NT == 1, "x whole in shared memory: M=1 only");
-  u32 sl0, sl1, sh0, sh1;
-  scale_pairs(s_lo, sl0, sl1);
-  scale_pairs(s_hi, sh0, sh1);
-  const u32 wl[4] = {lo.x, lo.y, lo.z, lo.w};
-  const u32 wh[4] = {hi.x, hi.y, hi.z, hi.w};
-  uint4 xv[2];
-  xv[0] = load_shared(xa);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    if (j < 3) xv[(j + 1) & 1] = load_shared(xa + (j + 1) * 16);
-    const u32 sl = j < 2 ? sl0 : sl1, sh = j < 2 ? sh0 : sh1;
-    const u32 l8 = wl[j] >> 8, h8 = wh[j] >> 8;
-    const u32 a0 = pair<0>(wl[j], l8, sl), a1 = pair<0>(wh[j], h8, sh), a2 = pair<1>(wl[j], l8, sl),
-              a3 = pair<1>(wh[j], h8, sh);
-    const u32 e0 = pair<2>(wl[j], l8, sl), e1 = pair<2>(wh[j], h8, sh), e2 = pair<3>(wl[j], l8, sl),
-              e3 = pair<3>(wh[j], h8, sh);
-    const uint4 v = xv[j & 1];
-    mma(acc[0], a0, a1, a2, a3, prmt<0x5410>(v.x, v.z), prmt<0x7632>(v.x, v.z));
-    mma(acc[0], e0, e1, e2, e3, prmt<0x5410>(v.y, v.w), prmt<0x7632>(v.y, v.w));
-  }
-}
-
-// NT: 8-token column tiles"""
-
 CALL_AS_BUILT = ("          if (ASYNC)\n            chunk_mma<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
                  "                          load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1],"
                  " xb[p % 2]);\n")
 # x whole in shared memory (M=1), staged once a block by plain loads: XW=1, a seventh template argument
 EDITS_XW = [
-    ("\n// NT: 8-token column tiles", CHUNK_XW),
+    (NT_COMMENT, "\n" + chunk_from_shared() + NT_COMMENT),
     ("template <int NT, int RW, int WK, int DEPTH, int ASYNC, int RT>\n__global__",
      "template <int NT, int RW, int WK, int DEPTH, int ASYNC, int RT, int XW = 0>\n__global__"),
     ("  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);\n",
@@ -169,13 +133,13 @@ EDITS_XW = [
      "  }\n"
      "  LOAD_X(0, 0)\n"),
     (CALL_AS_BUILT,
-     "          if constexpr (XW) {  // not instantiated without XW: chunk_mma_xw is for one token tile\n"
+     "          if constexpr (XW) {  // not instantiated without XW: x whole is one token's\n"
      "            const unsigned xa = xw + (first + WK * (i0 + p)) * 256;\n"
      "            if (ASYNC)\n"
-     "              chunk_mma_xw<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
+     "              chunk_mma_sh<NT, 0, 16>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
      "                               load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1], xa);\n"
      "            else\n"
-     "              chunk_mma_xw<NT>(acc[rt], wb[p][rt][0], wb[p][rt][1], sb[p][rt][0], sb[p][rt][1], xa);\n"
+     "              chunk_mma_sh<NT, 0, 16>(acc[rt], wb[p][rt][0], wb[p][rt][1], sb[p][rt][0], sb[p][rt][1], xa);\n"
      "          } else\n" + CALL_AS_BUILT),
 ]
 
@@ -193,12 +157,7 @@ EDITS_X_PINNED = [
 
 
 def _edited(edits: list) -> str:
-    s = AS_BUILT
-    for a, b in edits:
-        if s.count(a) != 1:
-            raise RuntimeError(f"diag_fp4_xring: the kernel's source no longer has {a[:60]!r} once; update the edits")
-        s = s.replace(a, b)
-    return s
+    return _apply(AS_BUILT, edits)
 
 
 def xw_source() -> str:
@@ -208,16 +167,6 @@ def xw_source() -> str:
 
 def variant_source() -> str:
     return _edited(EDITS)
-
-
-def x_pinned(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
-    """The as-built kernel at ``cfg`` (split 1) with x's reads pinned to each warp's first chunk (EDITS_X_PINNED)."""
-    key = (_fp4_cuda._key(cfg, 0), "x pinned")
-    shared = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1))
-    if key not in _BUILT:
-        _BUILT[key] = build(_edited(EDITS_X_PINNED), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, "
-                            f"{cfg['depth']}, {int(cfg.get('async', False))}, {cfg.get('rt', 1)}>", cfg, shared)
-    return launch(_BUILT[key], x2, q, cfg, shared)
 
 
 def shared_bytes(cfg: dict) -> int:
@@ -230,24 +179,34 @@ def shared_bytes(cfg: dict) -> int:
 _BUILT: dict = {}
 
 
-def fp4_xring(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
-    """``fp4_linear_cuda``'s launch (split 1) of the x-through-the-ring variant (ASYNC=2)."""
-    key, shared = (_fp4_cuda._key(cfg, 0), 2), shared_bytes(cfg)
+def _run(name: str, source, x2: torch.Tensor, q, cfg: dict, asynchronous: int, shared: int, xw: int = 0):
+    """``fp4_linear_cuda``'s launch (split 1) of a variant of the kernel at ``cfg``: ``source()`` built once per
+    config and variant ``name``, with ``shared`` bytes of dynamic shared memory."""
+    key = (_fp4_cuda._key(cfg, 0), name)
     if key not in _BUILT:
-        _BUILT[key] = build(variant_source(), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, "
-                            f"2, {cfg['rt']}>", cfg, shared)
+        _BUILT[key] = build(source(), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, "
+                            f"{asynchronous}, {cfg.get('rt', 1)}" + (", 1>" if xw else ">"), cfg, shared)
     return launch(_BUILT[key], x2, q, cfg, shared)
+
+
+def _ring(cfg: dict) -> int:
+    return _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1))
+
+
+def fp4_xring(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
+    """The x-through-the-ring variant (ASYNC=2)."""
+    return _run("x ring", variant_source, x2, q, cfg, 2, shared_bytes(cfg))
 
 
 def fp4_xw(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
-    """The x-whole-in-shared-memory variant (M=1, split 1): ``cfg``'s ring or register form, XW=1."""
+    """The x-whole-in-shared-memory variant (M=1): ``cfg``'s ring or register form, XW=1."""
     assert x2.shape[0] == 1, "x whole in shared memory: M=1 only"
-    key = (_fp4_cuda._key(cfg, 0), "xw")
-    shared = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg["async"]), cfg["rt"]) + 2 * x2.shape[1]
-    if key not in _BUILT:
-        _BUILT[key] = build(xw_source(), f"fp4_mma_sync<{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, "
-                            f"{int(cfg['async'])}, {cfg['rt']}, 1>", cfg, shared)
-    return launch(_BUILT[key], x2, q, cfg, shared)
+    return _run("xw", xw_source, x2, q, cfg, int(cfg["async"]), _ring(cfg) + 2 * x2.shape[1], xw=1)
+
+
+def x_pinned(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
+    """The as-built kernel at ``cfg`` with x's reads pinned to each warp's first chunk (EDITS_X_PINNED)."""
+    return _run("x pinned", lambda: _edited(EDITS_X_PINNED), x2, q, cfg, int(cfg.get("async", False)), _ring(cfg))
 
 
 def configs(m: int, variants: tuple = (1, 2)) -> list[dict]:
@@ -300,8 +259,7 @@ def main() -> None:
             r = registers(c, xw)
             warps = c["rw"] * c["wk"]
             blocks = 65536 // (warps * 32 * ((r + 7) // 8 * 8))
-            dyn = (_fp4_cuda.ring_bytes(c["rw"], c["wk"], c["depth"], int(c["async"]), c["rt"]) + 2 * k if xw
-                   else shared_bytes(c))
+            dyn = _ring(c) + 2 * k if xw else shared_bytes(c)
             kb = (dyn + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"])) / 1024
             print(f"| {m} | {(c['nt'], c['rw'], c['wk'], c['depth'], c['async'], c['rt'])}{' XW' if xw else ''} | "
                   f"{r} | {blocks * warps} | {kb:.0f} |")

@@ -439,14 +439,18 @@ def test_the_l2_diagnosis_variants_still_apply_to_the_kernel_source():
 
 def test_the_x_placement_variants_still_apply_to_the_kernel_source():
     """``benchmarks/diag_fp4_xring.py`` edits the CUDA form's source into its variants (x through the ring; x whole
-    in shared memory at M=1; x's reads pinned to a warp's first chunk, a bound): each edit must still find its one place, and each variant must keep the as-built
-    kernel as a case of it (the as-built calls are still there, the variants' own are added)."""
+    in shared memory at M=1; x's reads pinned to a warp's first chunk, a bound): each edit must still find its one
+    place, and each variant must keep the as-built kernel as a case of it (the as-built calls are still there, the
+    variants' own are added)."""
     from benchmarks import diag_fp4_xring as d
 
     ring, whole, pinned = d.variant_source(), d.xw_source(), d._edited(d.EDITS_X_PINNED)
-    assert ring.count("chunk_mma_xs<NT>(") == 1 and ring.count("if (ASYNC != 2 && ") == 1
+    assert ring.count("chunk_mma_sh<NT, 2048, 512>(") == 1 and ring.count("if (ASYNC != 2 && ") == 1
     assert "x_row[nt] + q);  /* pinned */" in pinned and "x_row[nt] += " not in pinned
-    assert whole.count("chunk_mma_xw<NT>(") == 2 and "int RT, int XW = 0>" in whole
+    assert "int RT, int XW = 0>" in whole and (whole is d.AS_BUILT or whole.count("chunk_mma_sh<NT, 0, 16>(") == 2)
+    # the variants' chunk_mma is the kernel's own, derived: its decode and MMAs are the as-built lines
+    shared = d.chunk_from_shared()
+    assert all(line in shared for line in d.AS_BUILT.splitlines() if "pair<" in line or "mma(acc[nt]" in line)
     for s in (ring, whole):
         assert s.count("chunk_mma<NT>(") == d.AS_BUILT.count("chunk_mma<NT>(")
     broken = d.AS_BUILT.replace("\n// NT: 8-token column tiles", "\n// NT:")
