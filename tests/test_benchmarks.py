@@ -6,6 +6,7 @@ No timing is asserted: only that the harness measures, records and grades what i
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -458,5 +459,33 @@ def test_the_x_placement_variants_still_apply_to_the_kernel_source():
     try:
         with pytest.raises(RuntimeError, match="no longer has"):
             d.variant_source()
+    finally:
+        d.AS_BUILT = saved
+
+
+def test_the_cluster_split_variant_still_applies_to_the_kernel_source():
+    """``benchmarks/diag_fp4_cluster.py`` edits the CUDA form's source into a split of K across a thread-block
+    cluster: each edit must find its one place, every thread must reach the cluster's barriers (no early return
+    before them), and the first block's sum must index the fp32 sums as the warps' own reduction does."""
+    from benchmarks import diag_fp4_cluster as d
+
+    s = d.source()
+    assert "__cluster_dims__(1, CL, 1)" in s and "int RT, int CL>" in s
+    assert s.count("cluster_sync();") == 2 and "if (warp != 0) return;" not in s
+    assert s.index("cluster_sync();") < s.index("if (rank != 0 || warp != 0) return;") < s.index("256.f * gs[0]")
+    # the sums' flat index i, as the variant unpacks it, against the kernel's (rt * NT + nt) * 4 + e
+    unpack = re.search(r"acc\[(i / \(NT \* 4\))\]\[(\(i / 4\) % NT)\]\[(i % 4)\]", s).groups()
+    assert "red[warp][rw][(rt * NT + nt) * 4 + e][lane]" in s
+    for rt_n, nt_n in ((1, 1), (2, 2), (4, 2), (1, 2)):
+        for rt in range(rt_n):
+            for nt in range(nt_n):
+                for e in range(4):
+                    env = {"i": (rt * nt_n + nt) * 4 + e, "NT": nt_n}
+                    assert [eval(x.replace("/", "//"), env) for x in unpack] == [rt, nt, e]
+    broken = d.AS_BUILT.replace("  const float f = 256.f * gs[0];", "  const float f = gs[0];")
+    d.AS_BUILT, saved = broken, d.AS_BUILT
+    try:
+        with pytest.raises(RuntimeError, match="no longer has"):
+            d.source()
     finally:
         d.AS_BUILT = saved
