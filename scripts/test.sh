@@ -8,6 +8,11 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 say() { printf '\n== %s (%s)\n' "$*" "$(date +%H:%M:%S)"; }
+# pytest-xdist workers: one a core, at most 4 (each holds a torch and, in some tests, a transformers model);
+# KPT_TEST_WORKERS sets it (1: one process, no xdist). The torch 2.13 run on a 2-core machine: 8.4 minutes with 2
+# workers (s47), about 16 in one process (s46).
+WORKERS=${KPT_TEST_WORKERS:-$(n=$(nproc); echo $(( n < 4 ? n : 4 )))}
+XDIST=(); [ "$WORKERS" -gt 1 ] && XDIST=(-n "$WORKERS")
 
 say "environment .venv: torch 2.13.0 (CPU), transformers, kernelpytorch"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -17,7 +22,7 @@ say "environment .venv: torch 2.13.0 (CPU), transformers, kernelpytorch"
 .venv/bin/pip install -q -e ".[test,bench]" triton==3.9.0
 
 say "tests on torch 2.13"
-.venv/bin/python -m pytest -q -m "not gpu" "$@"
+.venv/bin/python -m pytest -q -m "not gpu" "${XDIST[@]}" "$@"
 
 say "environment .venv-xla: torch 2.9.0 + torch_xla 2.9.0 (torch_xla 2.9 works only with torch 2.9)"
 # torch 2.9.0 from PyPI is a CUDA build: the environment takes about 7.1 GB (4.3 GB of it nvidia-* libraries that
@@ -39,5 +44,5 @@ fi
 .venv-xla/bin/pip install -q -e ".[test]"
 
 say "tests on torch 2.9 with torch_xla (PJRT_DEVICE=CPU)"
-PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -q -m "not gpu" "$@"
+PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -q -m "not gpu" "${XDIST[@]}" "$@"
 say "all CPU tests passed"
