@@ -4,6 +4,11 @@ output, bf16 cuBLAS beside them, the table; and building a kernel-source variant
 
 from __future__ import annotations
 
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
@@ -99,3 +104,31 @@ def launch(kernel, x2: torch.Tensor, q, cfg: dict, dynamic_bytes: int) -> torch.
                                            y.stride(0), y.stride(1), 0],
            stream=torch.cuda.current_stream())
     return y[0]
+
+
+KERNEL_ARGS = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
+
+
+def edited(source: str, edits: list, who: str) -> str:
+    """``source`` with each (old, new) of ``edits`` replaced in turn; each old must be there exactly once, else the
+    kernel has changed under ``who``'s variant and its edits need updating."""
+    for a, b in edits:
+        if source.count(a) != 1:
+            raise RuntimeError(f"{who}: the kernel's source no longer has {a[:60]!r} once; update its edits")
+        source = source.replace(a, b)
+    return source
+
+
+def sm90_cubin(source: str, targs: str, folder: str) -> tuple[str, int]:
+    """nvcc's (on PATH) sm_90 build of ``fp4_mma_sync<targs>`` in ``source`` into ``folder``: the cubin's path and
+    ptxas's registers."""
+    (Path(folder) / "k.cu").write_text(source + f"template __global__ void fp4_mma_sync<{targs}>({KERNEL_ARGS});\n")
+    built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
+                            f"{folder}/k.cubin", f"{folder}/k.cu"], check=True, capture_output=True, text=True)
+    return f"{folder}/k.cubin", int(re.search(r"Used (\d+) registers", built.stderr).group(1))
+
+
+def sm90_registers(source: str, targs: str) -> int:
+    """ptxas's registers for sm_90 of ``fp4_mma_sync<targs>`` in ``source``."""
+    with tempfile.TemporaryDirectory() as d:
+        return sm90_cubin(source, targs, d)[1]

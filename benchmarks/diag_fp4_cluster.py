@@ -25,16 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import Rows, build
+from ._fp4_diag import Rows, build, edited, sm90_registers
 
 AS_BUILT = _fp4_cuda.SOURCE
 
@@ -89,12 +85,7 @@ EDITS = [
 
 
 def source() -> str:
-    s = AS_BUILT
-    for a, b in EDITS:
-        if s.count(a) != 1:
-            raise RuntimeError(f"diag_fp4_cluster: the kernel's source no longer has {a[:60]!r} once; update EDITS")
-        s = s.replace(a, b)
-    return s
+    return edited(AS_BUILT, EDITS, "diag_fp4_cluster")
 
 
 def _targs(cfg: dict) -> str:
@@ -139,12 +130,7 @@ def configs(m: int) -> list[dict]:
 
 def registers(cfg: dict) -> int:
     """ptxas's registers for sm_90 (nvcc on PATH) of the variant's build of ``cfg``."""
-    args = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "k.cu").write_text(source() + f"template __global__ void fp4_mma_sync<{_targs(cfg)}>({args});\n")
-        built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
-                                f"{d}/k.cubin", f"{d}/k.cu"], check=True, capture_output=True, text=True)
-        return int(re.search(r"Used (\d+) registers", built.stderr).group(1))
+    return sm90_registers(source(), _targs(cfg))
 
 
 def main() -> None:

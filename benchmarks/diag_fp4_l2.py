@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from kpt_compiler.kernels import _fp4_cuda
 from kpt_compiler.kernels import _fp4_format as fmt
 
+from ._fp4_diag import edited
+
 AS_BUILT = _fp4_cuda.SOURCE
 # The evict-first policy on the weights' loads (s36): (the source as built, the hinted form). Measured, then kept
 # out of the kernel until the H200's fp4 tables can be calibrated again (the cost model keys them to the source).
@@ -99,9 +101,7 @@ PF_CALL = ("if (pf_mode %s && threadIdx.x == 0) { prefetch_slice(pf0, pb0, pf_mo
 
 
 def _rep(s: str, a: str, b: str) -> str:
-    if s.count(a) != 1:
-        raise RuntimeError(f"diag_fp4_l2: the kernel's source no longer has {a[:60]!r} once; update the variants")
-    return s.replace(a, b)
+    return edited(s, [(a, b)], "diag_fp4_l2")
 
 
 def source(hints: bool = True, scales: bool = False, prefetch: bool = False) -> str:

@@ -31,6 +31,8 @@ from triton.compiler import ASTSource
 
 from kpt_compiler.kernels import _fp4_cuda, _fp4_gemv, _fp4_mma, fp4_linear
 
+from ._fp4_diag import sm90_cubin
+
 KERNELS = {"f16x2": _fp4_gemv._fp4_gemv_h2_kernel, "f32": fp4_linear._fp4_gemv_kernel,
            "mma (decode=3)": _fp4_mma._fp4_mma_kernel, "dot (decode=2)": fp4_linear._fp4_linear_kernel}
 TILES = [(8, 2048, 4), (16, 1024, 4), (32, 1024, 4), (32, 512, 4)]  # block_n, block_k, warps
@@ -75,15 +77,9 @@ CUDA_CONFIGS = [(1, 1, 8, 2, 0, 1), (1, 1, 2, 2, 0, 1), (2, 1, 8, 2, 0, 1), (1, 
 def cuda_sass(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int) -> tuple[str, int]:
     """The SASS of one config and its registers (ptxas -v)."""
     nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    args = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
     with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "k.cu").write_text(_fp4_cuda.SOURCE + f"template __global__ void fp4_mma_sync<{nt}, {rw}, {wk}, "
-                                      f"{depth}, {asynchronous}, {rt}>({args});\n")
-        built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
-                                f"{d}/k.cubin", f"{d}/k.cu"], check=True, capture_output=True, text=True)
-        registers = int(re.search(r"Used (\d+) registers", built.stderr).group(1))
-        return subprocess.run([str(nvdisasm), "-c", f"{d}/k.cubin"], check=True, capture_output=True,
-                              text=True).stdout, registers
+        cubin, registers = sm90_cubin(_fp4_cuda.SOURCE, f"{nt}, {rw}, {wk}, {depth}, {asynchronous}, {rt}", d)
+        return subprocess.run([str(nvdisasm), "-c", cubin], check=True, capture_output=True, text=True).stdout, registers
 
 
 def loop_counts(text: str) -> tuple[int, collections.Counter]:

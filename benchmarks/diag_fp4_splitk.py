@@ -27,7 +27,7 @@ import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import Rows
+from ._fp4_diag import Rows, edited
 
 AS_BUILT = _fp4_cuda.SOURCE
 FIXUP = r"""
@@ -63,9 +63,7 @@ STORE_END = "            ((u16 *)y)[at] = to_bf16(acc[rt][nt][e] * f);\n        
 
 
 def _rep(s: str, a: str, b: str) -> str:
-    if s.count(a) != 1:
-        raise RuntimeError(f"diag_fp4_splitk: the kernel's source no longer has {a[:60]!r} once; update the variant")
-    return s.replace(a, b)
+    return edited(s, [(a, b)], "diag_fp4_splitk")
 
 
 def fixup_source() -> str:

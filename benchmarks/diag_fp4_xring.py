@@ -35,25 +35,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import Rows, build, launch
+from ._fp4_diag import Rows, build, edited, launch, sm90_registers
 
 AS_BUILT = _fp4_cuda.SOURCE
 
 def _apply(s: str, edits: list) -> str:
-    for a, b in edits:
-        if s.count(a) != 1:
-            raise RuntimeError(f"diag_fp4_xring: the kernel's source no longer has {a[:60]!r} once; update the edits")
-        s = s.replace(a, b)
-    return s
+    return edited(s, edits, "diag_fp4_xring")
 
 
 def chunk_from_shared() -> str:
@@ -224,15 +216,9 @@ def xw_configs() -> list[dict]:
 
 def registers(cfg: dict, xw: bool = False) -> int:
     """ptxas's registers for sm_90 (nvcc on PATH) of a variant's build of ``cfg`` (the XW one with ``xw``)."""
-    args = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
     targs = f"{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, {int(cfg['async'])}, {cfg['rt']}" + (
         ", 1" if xw else "")
-    with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "k.cu").write_text((xw_source() if xw else variant_source())
-                                      + f"template __global__ void fp4_mma_sync<{targs}>({args});\n")
-        built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
-                                f"{d}/k.cubin", f"{d}/k.cu"], check=True, capture_output=True, text=True)
-        return int(re.search(r"Used (\d+) registers", built.stderr).group(1))
+    return sm90_registers(xw_source() if xw else variant_source(), targs)
 
 
 def main() -> None:
@@ -251,7 +237,7 @@ def main() -> None:
     variants = (1,) if args.as_built else (1, 2)
     if args.registers:  # shared KB: dynamic and static, at --shape's K for XW
         k = int(args.shape.split("x")[1])
-        print(f"| M | config (nt, rw, wk, depth, async, rt) | registers | warps an SM by registers | shared KB |\n"
+        print("| M | config (nt, rw, wk, depth, async, rt) | registers | warps an SM by registers | shared KB |\n"
               "| --- | --- | --- | --- | --- |")
         rows = [(1, c, True) for c in xw_configs()] if args.xw else [
             (m, c, False) for m in (int(v) for v in args.ms.split(",")) for c in configs(m, variants)]
