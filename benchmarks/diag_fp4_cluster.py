@@ -16,7 +16,7 @@ added the partials through global memory, after the kernel or by the last block 
 default on an H200; the cluster's sum costs two barriers and CL - 1 reads of 32 lanes' sums.
 
 A kernel-source variant, as ``diag_fp4_xring``'s (the cost model hashes the kernel's source): edits to the kernel as
-built, ``CL`` an eighth template argument with ``__cluster_dims__(1, CL, 1)``; the grid's second axis is the
+built, ``CL`` a template argument after the others with ``__cluster_dims__(1, CL, 1)``; the grid's second axis is the
 cluster's rank and the kernel's own split of K (``chunks_per_split``). Every row's output is checked against the
 default's. Written in s47 with no GPU: nvcc 13.0 builds it for sm_90 (``--registers``); not yet run.
 """
@@ -58,8 +58,7 @@ NT_COMMENT = "\n// NT: 8-token column tiles"
 
 EDITS = [
     (NT_COMMENT, "\n" + CLUSTER_PTX + NT_COMMENT),
-    ("template <int NT, int RW, int WK, int DEPTH, int ASYNC, int RT>\n__global__ void __launch_bounds__(RW * WK * 32)",
-     "template <int NT, int RW, int WK, int DEPTH, int ASYNC, int RT, int CL>\n"
+    ("__global__ void __launch_bounds__(RW * WK * 32)",
      "__global__ void __cluster_dims__(1, CL, 1) __launch_bounds__(RW * WK * 32)"),
     # every thread stays for the cluster's barriers: the other warps add the WK sums too, into sums no one reads
     ("    __syncthreads();\n    if (warp != 0) return;\n", "    __syncthreads();\n"),
@@ -84,13 +83,20 @@ EDITS = [
 ]
 
 
+def _xw() -> bool:
+    """Whether the kernel as built has XW (the fp4-xw branch's seventh template argument): CL comes after it."""
+    return "int RT, int XW = 0>" in AS_BUILT
+
+
 def source() -> str:
-    return edited(AS_BUILT, EDITS, "diag_fp4_cluster")
+    head = "int RT, int XW = 0>" if _xw() else "int RT>"
+    return edited(AS_BUILT, [(head + "\n__global__", head.replace(" = 0", "")[:-1] + ", int CL>\n__global__")] + EDITS,
+                  "diag_fp4_cluster")
 
 
 def _targs(cfg: dict) -> str:
     return (f"{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, {int(cfg['async'])}, {cfg['rt']}, "
-            f"{cfg['cl']}")
+            + ("0, " if _xw() else "") + f"{cfg['cl']}")
 
 
 def _dynamic(cfg: dict) -> int:

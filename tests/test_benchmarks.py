@@ -470,7 +470,7 @@ def test_the_cluster_split_variant_still_applies_to_the_kernel_source():
     from benchmarks import diag_fp4_cluster as d
 
     s = d.source()
-    assert "__cluster_dims__(1, CL, 1)" in s and "int RT, int CL>" in s
+    assert "__cluster_dims__(1, CL, 1)" in s and re.search(r"int RT(, int XW)?, int CL>\n__global__", s)
     assert s.count("cluster_sync();") == 2 and "if (warp != 0) return;" not in s
     assert s.index("cluster_sync();") < s.index("if (rank != 0 || warp != 0) return;") < s.index("256.f * gs[0]")
     # the sums' flat index i, as the variant unpacks it, against the kernel's (rt * NT + nt) * 4 + e
