@@ -48,22 +48,23 @@ def _apply(s: str, edits: list) -> str:
     return edited(s, edits, "diag_fp4_xring")
 
 
-def chunk_from_shared() -> str:
+def chunk_from_shared(name: str = "chunk_mma_sh", targs: str = "int NT, int TILE, int STEP", params: str = "unsigned xs",
+                      first: str = "xs + nt * TILE", after: str = "xs + nt * TILE + (j + 1) * STEP") -> str:
     """The as-built ``chunk_mma``, with x read from shared memory one 16-byte step ahead of its MMAs instead of from
-    registers: ``chunk_mma_sh<NT, TILE, STEP>(..., xs)`` reads token tile nt's step j at xs + nt TILE + j STEP (the
-    ring's x: 2048 and 512; x whole at M=1: 0 and 16). Derived from the kernel's own text, so the decode is its."""
+    registers: by default ``chunk_mma_sh<NT, TILE, STEP>(..., xs)`` reads token tile nt's step j at xs + nt TILE +
+    j STEP (the ring's x: 2048 and 512; x whole at M=1: 0 and 16); ``first`` and ``after`` are the addresses of
+    step 0 and of step j + 1 for another layout. Derived from the kernel's own text, so the decode is its."""
     start = AS_BUILT.index("template <int NT>\n__device__ __forceinline__ void chunk_mma(")
     fn = AS_BUILT[start:AS_BUILT.index("\n}\n", start) + 3]
     return _apply(fn, [
-        ("template <int NT>\n", "// chunk_mma with x from shared memory (diag_fp4_xring)\n"
-                                "template <int NT, int TILE, int STEP>\n"),
-        ("void chunk_mma(", "void chunk_mma_sh("),
+        ("template <int NT>\n", f"// chunk_mma with x from shared memory (benchmarks/diag_fp4_x*)\ntemplate <{targs}>\n"),
+        ("void chunk_mma(", f"void {name}("),
         ("const uint4 (&xv)[NT][4]) {\n",
-         "unsigned xs) {\n  uint4 xv[2][NT];\n#pragma unroll\n"
-         "  for (int nt = 0; nt < NT; ++nt) xv[0][nt] = load_shared(xs + nt * TILE);\n"),
+         f"{params}) {{\n  uint4 xv[2][NT];\n#pragma unroll\n"
+         f"  for (int nt = 0; nt < NT; ++nt) xv[0][nt] = load_shared({first});\n"),
         ("  for (int j = 0; j < 4; ++j) {\n",
          "  for (int j = 0; j < 4; ++j) {\n    if (j < 3) {\n#pragma unroll\n"
-         "      for (int nt = 0; nt < NT; ++nt) xv[(j + 1) & 1][nt] = load_shared(xs + nt * TILE + (j + 1) * STEP);\n"
+         f"      for (int nt = 0; nt < NT; ++nt) xv[(j + 1) & 1][nt] = load_shared({after});\n"
          "    }\n"),
         ("const uint4 v = xv[nt][j];", "const uint4 v = xv[j & 1][nt];"),
     ])

@@ -489,3 +489,37 @@ def test_the_cluster_split_variant_still_applies_to_the_kernel_source():
             d.source()
     finally:
         d.AS_BUILT = saved
+
+
+def test_the_coalesced_x_ring_variant_applies_and_its_swizzle_is_a_conflict_free_permutation():
+    """``benchmarks/diag_fp4_xcopy.py``: its edits find their places, its chunk_mma is the kernel's own decode, and
+    the layout it writes is the one it reads: copy i of lane l puts unit l % 16 of token 2 i + l / 16 at
+    ``swz(token, u)``, lane (g, t) reads step j of token g at ``4 t + (j ^ c)``; within a token that is a
+    permutation, each lane finds its own unit 4 t + j, and the 8 lanes of each phase of a 16-byte read (lanes
+    8p..8p+7: two tokens, four t) hit 8 different groups of 4 banks."""
+    from benchmarks import diag_fp4_xcopy as d
+
+    s = d.source()
+    assert s.count("chunk_mma_shx<NT>(") == 1 and s.count("__syncwarp();") == 2
+    assert all(line in s for line in d.xring.AS_BUILT.splitlines() if "pair<" in line or "mma(acc[nt]" in line)
+    # the C expressions the Python below mirrors
+    assert "((xu ^ ((xu >> 3) << 1) ^ (lane >> 4)) << 4)" in s and "xc[nt] = ((t >> 1) << 1) ^ (tok & 1);" in s
+    assert "xa[nt] + off + 16 * ((j + 1) ^ xc[nt])" in s and "xa[nt] = xbase + tok * 256 + 64 * t;" in s
+
+    def stored(tok, u):  # the 16-byte unit of the token's 256 bytes where unit u lies
+        return u ^ ((u >> 3) << 1) ^ (tok & 1)
+
+    def read(tok, t, j):  # where lane (g, t) of token tok reads step j
+        return 4 * t + (j ^ (((t >> 1) << 1) ^ (tok & 1)))
+
+    for tok in range(16):
+        assert sorted(stored(tok, u) for u in range(16)) == list(range(16))
+        for t in range(4):
+            for j in range(4):
+                assert read(tok, t, j) == stored(tok, 4 * t + j)
+    for phase in range(4):  # 16-byte reads: lanes 8p..8p+7 (g = 2p, 2p + 1) together; token rows 256 bytes apart
+        for j in range(4):
+            for tile in range(2):
+                groups = {(256 * (8 * tile + g) + 16 * read(8 * tile + g, t, j)) // 16 % 8
+                          for g in (2 * phase, 2 * phase + 1) for t in range(4)}
+                assert len(groups) == 8, (phase, j, groups)
