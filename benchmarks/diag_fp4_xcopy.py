@@ -74,8 +74,9 @@ EDITS = [
     (COMMIT, COPY + COMMIT),
     (LOAD_X, LOAD_X + "ASYNC != 2 && "),
     # a lane reads other lanes' copies: the warp meets after the copies land and before a slot is copied over
-    ("        if (ASYNC) cp_async_wait<DEPTH - 1>();",
-     "        if (ASYNC) cp_async_wait<DEPTH - 1>();\n        if (ASYNC == 2) __syncwarp();"),
+    ("        if (ASYNC) cp_async_wait<DEPTH - 1>();  // this chunk's group has landed: at most DEPTH - 1 pending\n",
+     "        if (ASYNC) cp_async_wait<DEPTH - 1>();  // this chunk's group has landed: at most DEPTH - 1 pending\n"
+     "        if (ASYNC == 2) __syncwarp();  // and every lane's copies with it\n"),
     ("        LOAD_W((p + DEPTH - 1) % DEPTH, p + DEPTH - 1)\n",
      "        if (ASYNC == 2) __syncwarp();  // every lane has read the slot that these copies overwrite\n"
      "        LOAD_W((p + DEPTH - 1) % DEPTH, p + DEPTH - 1)\n"),
