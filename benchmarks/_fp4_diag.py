@@ -79,11 +79,12 @@ class Rows:
                 print(f"| {r['name']} | {r['ms']:.4f} | {bf16 / r['ms']:.2f}x | {r['rel_err']:.1e} |")
 
 
-def build(source: str, name: str, cfg: dict, dynamic_bytes: int):
+def build(source: str, name: str, cfg: dict, dynamic_bytes: int, extra_static: int = 0):
     """NVRTC's build of ``name`` in ``source``, allowed ``dynamic_bytes`` of dynamic shared memory (as _fp4_cuda's
-    own builds: past 48 KB in all, the driver's opt-in)."""
+    own builds: past 48 KB in all, the driver's opt-in); ``extra_static``: static shared memory the variant adds to
+    the kernel's own."""
     kernel = torch.cuda._compile_kernel(source, name, nvcc_options=["-std=c++17"])
-    static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg.get("rt", 1))
+    static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg.get("rt", 1)) + extra_static
     if dynamic_bytes >= 48 * 1024:
         kernel.set_shared_memory_config(dynamic_bytes)
     elif dynamic_bytes + static > 48 * 1024:
@@ -126,6 +127,17 @@ def sm90_cubin(source: str, targs: str, folder: str) -> tuple[str, int]:
     built = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o",
                             f"{folder}/k.cubin", f"{folder}/k.cu"], check=True, capture_output=True, text=True)
     return f"{folder}/k.cubin", int(re.search(r"Used (\d+) registers", built.stderr).group(1))
+
+
+SM_SHARED = 228 * 1024  # an sm_90 SM's shared memory; a block may have 227 KB of it, and 1 KB more is reserved a block
+
+
+def warps_an_sm(registers: int, warps: int, shared_bytes: int) -> int:
+    """The warps an SM holds of blocks of ``warps`` warps at ``registers`` registers a thread and ``shared_bytes``
+    of shared memory a block (0: the block cannot launch)."""
+    by_registers = 65536 // (warps * 32 * ((registers + 7) // 8 * 8))
+    by_shared = SM_SHARED // (shared_bytes + 1024) if shared_bytes <= SM_SHARED - 1024 else 0
+    return min(by_registers, by_shared) * warps
 
 
 def sm90_registers(source: str, targs: str) -> int:

@@ -30,7 +30,7 @@ import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import Rows, build, edited, sm90_registers
+from ._fp4_diag import Rows, build, edited, sm90_registers, warps_an_sm
 
 AS_BUILT = _fp4_cuda.SOURCE
 
@@ -103,6 +103,11 @@ def _dynamic(cfg: dict) -> int:
     return _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg["async"]), cfg["rt"])
 
 
+def _part(cfg: dict) -> int:
+    """The variant's static ``part`` (a block's sums, read by the cluster's first block), beside the kernel's ``red``."""
+    return cfg["rw"] * cfg["rt"] * cfg["nt"] * 4 * 32 * 4
+
+
 _BUILT: dict = {}
 
 
@@ -111,7 +116,7 @@ def fp4_cluster(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
     (m, k), n = x2.shape, q.packed.shape[0]
     key = tuple(sorted(cfg.items()))
     if key not in _BUILT:
-        _BUILT[key] = build(source(), f"fp4_mma_sync<{_targs(cfg)}>", cfg, _dynamic(cfg))
+        _BUILT[key] = build(source(), f"fp4_mma_sync<{_targs(cfg)}>", cfg, _dynamic(cfg), _part(cfg))
     chunks = k // _fp4_cuda.CHUNK
     if chunks % cfg["cl"]:
         raise ValueError(f"K={k}: {chunks} chunks do not split {cfg['cl']} ways")
@@ -149,15 +154,15 @@ def main() -> None:
     args = p.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
     if args.registers:
-        print("| M | config (cl, rw, wk, rt), the ring at depth 2 | registers | warps an SM by registers | "
-              f"blocks at {args.shape} |\n| --- | --- | --- | --- | --- |")
+        print("| M | config (cl, rw, wk, rt), the ring at depth 2 | registers | warps an SM (registers, shared memory)"
+              f" | blocks at {args.shape} |\n| --- | --- | --- | --- | --- |")
         for m in (int(v) for v in args.ms.split(",")):
             for c in configs(m):
                 r = registers(c)
-                warps = c["rw"] * c["wk"]
+                shared = _dynamic(c) + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"]) + _part(c)
                 blocks = -(-n // (16 * c["rt"] * c["rw"])) * c["cl"]
                 print(f"| {m} | {(c['cl'], c['rw'], c['wk'], c['rt'])} | {r} | "
-                      f"{65536 // (warps * 32 * ((r + 7) // 8 * 8)) * warps} | {blocks} |")
+                      f"{warps_an_sm(r, c['rw'] * c['wk'], shared)} | {blocks} |")
         return
     t = Rows(n, k, args.rep_ms)
     for m, x, ref in t.each_m(args.ms):

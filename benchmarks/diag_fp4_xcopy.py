@@ -31,7 +31,14 @@ import torch
 from kpt_compiler.kernels import _fp4_cuda
 
 from . import diag_fp4_xring as xring
-from ._fp4_diag import Rows, build, edited, launch, sm90_registers
+from ._fp4_diag import SM_SHARED, Rows, build, edited, launch, sm90_registers, warps_an_sm
+
+
+CP_ASYNC_CA = r"""
+__device__ __forceinline__ void cp_async16_ca(unsigned a, const void *gmem) {  // x through L1 too (diag_fp4_xcopy)
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" :: "r"(a), "l"(gmem) : "memory");
+}
+"""
 
 
 def chunk_fn() -> str:
@@ -89,8 +96,13 @@ EDITS = [
 ]
 
 
-def source() -> str:
-    return edited(xring.AS_BUILT, EDITS, "diag_fp4_xcopy")
+def source(ca: bool = False) -> str:
+    """The variant; with ``ca`` x's copies go through L1 (``cp.async.ca``: blocks on one SM share x there, as the
+    as-built loads do), else L2 only (``.cg``, as the weights')."""
+    edits = [(a, b.replace("cp_async16(", "cp_async16_ca(")) if a == COMMIT and ca else (a, b) for a, b in EDITS]
+    if ca:
+        edits[0] = (xring.NT_COMMENT, "\n" + CP_ASYNC_CA + chunk_fn() + xring.NT_COMMENT)
+    return edited(xring.AS_BUILT, edits, "diag_fp4_xcopy")
 
 
 def _targs(cfg: dict) -> str:  # ASYNC 2 is the variant; XW 0 where the kernel has it (the fp4-xw branch)
@@ -101,12 +113,22 @@ def _targs(cfg: dict) -> str:  # ASYNC 2 is the variant; XW 0 where the kernel h
 _BUILT: dict = {}
 
 
-def fp4_xcopy(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
-    key = _targs(cfg)
-    shared = xring.shared_bytes(dict(cfg, **{"async": 2}))
+def _dynamic(cfg: dict) -> int:
+    return xring.shared_bytes(dict(cfg, **{"async": 2}))
+
+
+def configs(m: int) -> list[dict]:
+    """diag_fp4_xring's configs (1 or 2 row tiles a warp, 8/12/16 warps along K, 2 or 4 chunks in flight) whose
+    shared memory fits a block (227 KB)."""
+    return [c for c in xring.configs(m, (1,)) if _dynamic(c) + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"],
+                                                                                      c["rt"]) <= SM_SHARED - 1024]
+
+
+def fp4_xcopy(x2: torch.Tensor, q, cfg: dict, ca: bool = False) -> torch.Tensor:
+    key = (_targs(cfg), ca)
     if key not in _BUILT:
-        _BUILT[key] = build(source(), f"fp4_mma_sync<{key}>", cfg, shared)
-    return launch(_BUILT[key], x2, q, cfg, shared)
+        _BUILT[key] = build(source(ca), f"fp4_mma_sync<{key[0]}>", cfg, _dynamic(cfg))
+    return launch(_BUILT[key], x2, q, cfg, _dynamic(cfg))
 
 
 def main() -> None:
@@ -118,24 +140,24 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write every row as JSON here")
     args = p.parse_args()
     if args.registers:
-        print("| M | config (nt, rw, wk, depth, rt) | registers | warps an SM by registers | shared KB |\n"
-              "| --- | --- | --- | --- | --- |")
+        print("| M | config (nt, rw, wk, depth, rt) | registers | warps an SM (registers, shared memory) | shared KB |"
+              "\n| --- | --- | --- | --- | --- |")
         for m in (int(v) for v in args.ms.split(",")):
-            for c in xring.configs(m, (1,)):
+            for c in configs(m):
                 r = sm90_registers(source(), _targs(c))
-                warps = c["rw"] * c["wk"]
-                kb = (xring.shared_bytes(dict(c, **{"async": 2}))
-                      + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"])) / 1024
+                shared = _dynamic(c) + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"])
                 print(f"| {m} | {(c['nt'], c['rw'], c['wk'], c['depth'], c['rt'])} | {r} | "
-                      f"{65536 // (warps * 32 * ((r + 7) // 8 * 8)) * warps} | {kb:.0f} |")
+                      f"{warps_an_sm(r, c['rw'] * c['wk'], shared)} | {shared / 1024:.0f} |")
         return
     t = Rows(*(int(v) for v in args.shape.split("x")), args.rep_ms)
     for m, x, ref in t.each_m(args.ms):
-        for cfg in xring.configs(m, (1,)):
+        for cfg in configs(m):
             tag = f"rt={cfg['rt']} wk={cfg['wk']} depth={cfg['depth']}"
             t.row(m, f"{tag} ring, as built", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
                                                                                       q.global_scale, c), ref)
-            t.row(m, f"{tag} ring, x copied whole", lambda q, c=cfg: fp4_xcopy(x, q, c), ref)
+            t.row(m, f"{tag} ring, x copied whole (L2)", lambda q, c=cfg: fp4_xcopy(x, q, c), ref)
+            if cfg["depth"] == 2:
+                t.row(m, f"{tag} ring, x copied whole (L1)", lambda q, c=cfg: fp4_xcopy(x, q, c, ca=True), ref)
     t.print(None)
     if args.out:
         with open(args.out, "w") as f:

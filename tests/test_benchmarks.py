@@ -472,6 +472,8 @@ def test_the_cluster_split_variant_still_applies_to_the_kernel_source():
     s = d.source()
     assert "__cluster_dims__(1, CL, 1)" in s and re.search(r"int RT(, int XW)?, int CL>\n__global__", s)
     assert s.count("cluster_sync();") == 2 and "if (warp != 0) return;" not in s
+    # the launch's shared memory counts the variant's own array (its opt-in past 48 KB depends on it)
+    assert "__shared__ float part[RW][RT * NT * 4][32];" in s and d._part(dict(rw=2, rt=2, nt=2)) == 2 * 16 * 32 * 4
     assert s.index("cluster_sync();") < s.index("if (rank != 0 || warp != 0) return;") < s.index("256.f * gs[0]")
     # the sums' flat index i, as the variant unpacks it, against the kernel's (rt * NT + nt) * 4 + e
     unpack = re.search(r"acc\[(i / \(NT \* 4\))\]\[(\(i / 4\) % NT)\]\[(i % 4)\]", s).groups()
@@ -501,6 +503,8 @@ def test_the_coalesced_x_ring_variant_applies_and_its_swizzle_is_a_conflict_free
 
     s = d.source()
     assert s.count("chunk_mma_shx<NT>(") == 1 and s.count("__syncwarp();") == 2
+    ca = d.source(ca=True)  # x's copies through L1: those and only those
+    assert ca.count("cp_async16_ca(") == 2 and ca.replace(d.CP_ASYNC_CA, "").replace("cp_async16_ca(", "cp_async16(") == s
     assert all(line in s for line in d.xring.AS_BUILT.splitlines() if "pair<" in line or "mma(acc[nt]" in line)
     # the C expressions the Python below mirrors
     assert "((xu ^ ((xu >> 3) << 1) ^ (lane >> 4)) << 4)" in s and "xc[nt] = ((t >> 1) << 1) ^ (tok & 1);" in s
