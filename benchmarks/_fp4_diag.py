@@ -4,6 +4,8 @@ output, bf16 cuBLAS beside them, the table; and building a kernel-source variant
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 import subprocess
 import tempfile
@@ -65,6 +67,13 @@ class Rows:
             self.bf16(m, x)
             yield m, x, self.default(m, x)
 
+    def finish(self, top: int | None, out: str | None) -> None:
+        """The table (``print``), and every row as JSON in ``out`` where given."""
+        self.print(top)
+        if out:
+            with open(out, "w") as f:
+                json.dump(self.rows, f, indent=1)
+
     def print(self, top: int | None) -> None:
         """A table a M: the fastest ``top`` rows (all with None), then the default and bf16 where not among them."""
         print(f"{torch.cuda.get_device_name(0)}, {self.sms} SMs, torch {torch.__version__}; {self.n}x{self.k}, "
@@ -77,6 +86,18 @@ class Rows:
                                                            if r["name"].startswith(("default", "bf16"))]
             for r in shown:
                 print(f"| {r['name']} | {r['ms']:.4f} | {bf16 / r['ms']:.2f}x | {r['rel_err']:.1e} |")
+
+
+def arguments(doc: str, ms: str, registers: bool = True) -> argparse.ArgumentParser:
+    """The options every fp4 diagnosis takes: --shape (N x K), --ms, --rep-ms, --out, and --registers (no GPU)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--shape", default="4096x14336", help="N x K")
+    p.add_argument("--ms", default=ms)
+    p.add_argument("--rep-ms", type=float, default=30.0)
+    if registers:
+        p.add_argument("--registers", action="store_true", help="nvcc's registers of each config (no GPU)")
+    p.add_argument("--out", default=None, help="write every row as JSON here")
+    return p
 
 
 def build(source: str, name: str, cfg: dict, dynamic_bytes: int, extra_static: int = 0):

@@ -23,14 +23,12 @@ default's. Written in s47 with no GPU: nvcc 13.0 builds it for sm_90 (``--regist
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import Rows, build, edited, sm90_registers, warps_an_sm
+from ._fp4_diag import Rows, arguments, build, edited, sm90_registers, warps_an_sm
 
 AS_BUILT = _fp4_cuda.SOURCE
 
@@ -74,7 +72,8 @@ EDITS = [
      "      const unsigned mine = shared_address(&part[rw][0][lane]);\n"
      "      for (unsigned r = 1; r < CL; ++r)\n"
      "#pragma unroll\n"
-     "        for (int i = 0; i < RT * NT * 4; ++i) acc[i / (NT * 4)][(i / 4) % NT][i % 4] += load_peer(mine + 128 * i, r);\n"
+     "        for (int i = 0; i < RT * NT * 4; ++i)\n"
+     "          acc[i / (NT * 4)][(i / 4) % NT][i % 4] += load_peer(mine + 128 * i, r);\n"
      "    }\n"
      "    cluster_sync();  // the others' sums stay until the first has read them\n"
      "    if (rank != 0 || warp != 0) return;\n"
@@ -104,7 +103,7 @@ def _dynamic(cfg: dict) -> int:
 
 
 def _part(cfg: dict) -> int:
-    """The variant's static ``part`` (a block's sums, read by the cluster's first block), beside the kernel's ``red``."""
+    """The variant's static ``part`` (a block's sums, which the cluster's first block reads), beside ``red``."""
     return cfg["rw"] * cfg["rt"] * cfg["nt"] * 4 * 32 * 4
 
 
@@ -145,12 +144,7 @@ def registers(cfg: dict) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="4096x14336", help="N x K")
-    p.add_argument("--ms", default="16")
-    p.add_argument("--rep-ms", type=float, default=30.0)
-    p.add_argument("--registers", action="store_true", help="nvcc's registers of each config (no GPU)")
-    p.add_argument("--out", default=None, help="write every row as JSON here")
+    p = arguments(__doc__, "16")
     args = p.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
     if args.registers:
@@ -172,10 +166,7 @@ def main() -> None:
                 t.row(m, f"{tag}, as built", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(
                     x, q.packed, q.scales, q.global_scale, {a: b for a, b in c.items() if a != "cl"}), ref)
             t.row(m, f"{tag}, cluster", lambda q, c=cfg: fp4_cluster(x, q, c), ref)
-    t.print(None)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(t.rows, f, indent=1)
+    t.finish(None, args.out)
 
 
 if __name__ == "__main__":

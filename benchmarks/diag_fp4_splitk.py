@@ -20,14 +20,12 @@ same with the sum in the kernel. Every fp4 row's output is checked against the d
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import Rows, edited
+from ._fp4_diag import Rows, arguments, edited
 
 AS_BUILT = _fp4_cuda.SOURCE
 FIXUP = r"""
@@ -115,11 +113,7 @@ def split_configs(m: int) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="4096x14336", help="N x K")
-    p.add_argument("--ms", default="1,16")
-    p.add_argument("--rep-ms", type=float, default=30.0)
-    p.add_argument("--out", default=None, help="write every row as JSON here")
+    p = arguments(__doc__, "1,16", registers=False)
     args = p.parse_args()
     t = Rows(*(int(v) for v in args.shape.split("x")), args.rep_ms)
     for m, x, ref in t.each_m(args.ms):
@@ -128,10 +122,7 @@ def main() -> None:
             t.row(m, f"{tag}, sum after", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales,
                                                                                   q.global_scale, c), ref)
             t.row(m, f"{tag}, sum in kernel", lambda q, c=cfg: fp4_fixup(x, q, c), ref)
-    t.print(12)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(t.rows, f, indent=1)
+    t.finish(12, args.out)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,14 @@ Rows: bf16 cuBLAS, the default, the as-built ring and this variant at the same c
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
 from . import diag_fp4_xring as xring
-from ._fp4_diag import SM_SHARED, Rows, build, edited, launch, sm90_registers, warps_an_sm
+from ._fp4_diag import (SM_SHARED, Rows, arguments, build, edited, launch, sm90_registers,
+                         warps_an_sm)
 
 
 CP_ASYNC_CA = r"""
@@ -48,9 +47,9 @@ def chunk_fn() -> str:
 
 
 RING_LINE = "  const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);\n"
-X_RING = r"""  // ASYNC 2: x's chunk whole (8 NT tokens x 256 bytes) in DEPTH slots a warp after every warp's weights; copy i
-  // of lane l is unit u = l % 16 of token 2 i + l / 16, stored at unit u ^ 2 (u >> 3) ^ (token & 1) of the token's
-  // 256 bytes (8 lanes reading one step of two tokens then hit 8 groups of banks)
+X_RING = r"""  // ASYNC 2: x's chunk whole (8 NT tokens x 256 bytes) in DEPTH slots a warp after every warp's weights;
+  // copy i of lane l is unit u = l % 16 of token 2 i + l / 16, stored at unit u ^ 2 (u >> 3) ^ (token & 1) of the
+  // token's 256 bytes (8 lanes reading one step of two tokens then hit 8 groups of banks)
   const unsigned xbase = shared_address(ring_all + RW * WK * DEPTH * RT * 64 + (threadIdx.x >> 5) * DEPTH * NT * 128);
   const unsigned xu = lane & 15, xdst = xbase + (lane >> 4) * 256 + ((xu ^ ((xu >> 3) << 1) ^ (lane >> 4)) << 4);
   const u16 *const xsrc = x + (long long)(lane >> 4) * stride_xm + 8 * xu + 128 * first;
@@ -90,8 +89,8 @@ EDITS = [
     (CALL,
      "          if (ASYNC == 2)\n"
      "            chunk_mma_shx<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),\n"
-     "                              load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1], xa, xc,\n"
-     "                              p * NT * 2048);\n"
+     "                              load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1],\n"
+     "                              xa, xc, p * NT * 2048);\n"
      "          else if (ASYNC)\n            chunk_mma<NT>("),
 ]
 
@@ -132,12 +131,7 @@ def fp4_xcopy(x2: torch.Tensor, q, cfg: dict, ca: bool = False) -> torch.Tensor:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="4096x14336", help="N x K")
-    p.add_argument("--ms", default="16,1")
-    p.add_argument("--rep-ms", type=float, default=30.0)
-    p.add_argument("--registers", action="store_true", help="nvcc's registers of each config (no GPU)")
-    p.add_argument("--out", default=None, help="write every row as JSON here")
+    p = arguments(__doc__, "16,1")
     args = p.parse_args()
     if args.registers:
         print("| M | config (nt, rw, wk, depth, rt) | registers | warps an SM (registers, shared memory) | shared KB |"
@@ -158,10 +152,7 @@ def main() -> None:
             t.row(m, f"{tag} ring, x copied whole (L2)", lambda q, c=cfg: fp4_xcopy(x, q, c), ref)
             if cfg["depth"] == 2:
                 t.row(m, f"{tag} ring, x copied whole (L1)", lambda q, c=cfg: fp4_xcopy(x, q, c, ca=True), ref)
-    t.print(None)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(t.rows, f, indent=1)
+    t.finish(None, args.out)
 
 
 if __name__ == "__main__":

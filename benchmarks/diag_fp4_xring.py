@@ -33,14 +33,12 @@ Every fp4 row's output is checked against the default's (relative error).
 
 from __future__ import annotations
 
-import argparse
-import json
 
 import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import Rows, build, edited, launch, sm90_registers
+from ._fp4_diag import Rows, arguments, build, edited, launch, sm90_registers
 
 AS_BUILT = _fp4_cuda.SOURCE
 
@@ -223,17 +221,12 @@ def registers(cfg: dict, xw: bool = False) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shape", default="4096x14336", help="N x K")
-    p.add_argument("--ms", default="1,16")
-    p.add_argument("--rep-ms", type=float, default=30.0)
-    p.add_argument("--registers", action="store_true", help="nvcc's registers of each config (no GPU)")
+    p = arguments(__doc__, "1,16")
     p.add_argument("--as-built", action="store_true", help="the as-built ring only (async=1), not the variant")
     p.add_argument("--xw", action="store_true", help="M=1: x whole in shared memory (register form and ring), "
                    "beside the as-built ring")
     p.add_argument("--x-pinned", action="store_true", help="each M's default and the as-built ring at 8, 12 and 16 "
                    "warps along K, beside the same with x's reads kept in L1 (a bound: wrong outputs)")
-    p.add_argument("--out", default=None, help="write every row as JSON here")
     args = p.parse_args()
     variants = (1,) if args.as_built else (1, 2)
     if args.registers:  # shared KB: dynamic and static, at --shape's K for XW
@@ -276,10 +269,7 @@ def main() -> None:
             else:
                 t.row(m, tag, lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(x, q.packed, q.scales, q.global_scale, c),
                       ref)
-    t.print(None if args.xw or args.x_pinned else 14)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(t.rows, f, indent=1)
+    t.finish(None if args.xw or args.x_pinned else 14, args.out)
 
 
 if __name__ == "__main__":
