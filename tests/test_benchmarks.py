@@ -438,7 +438,7 @@ def test_the_l2_diagnosis_variants_still_apply_to_the_kernel_source():
             assert "fp4_mma_sync" in d.source(*variant), (exp, name)
 
 
-def test_the_x_placement_variants_still_apply_to_the_kernel_source():
+def test_the_x_placement_variants_still_apply_to_the_kernel_source(monkeypatch):
     """``benchmarks/diag_fp4_xring.py`` edits the CUDA form's source into its variants (x through the ring; x whole
     in shared memory at M=1; x's reads pinned to a warp's first chunk, a bound): each edit must still find its one
     place, and each variant must keep the as-built kernel as a case of it (the as-built calls are still there, the
@@ -455,15 +455,12 @@ def test_the_x_placement_variants_still_apply_to_the_kernel_source():
     for s in (ring, whole):
         assert s.count("chunk_mma<NT>(") == d.AS_BUILT.count("chunk_mma<NT>(")
     broken = d.AS_BUILT.replace("\n// NT: 8-token column tiles", "\n// NT:")
-    d.AS_BUILT, saved = broken, d.AS_BUILT
-    try:
-        with pytest.raises(RuntimeError, match="no longer has"):
-            d.variant_source()
-    finally:
-        d.AS_BUILT = saved
+    monkeypatch.setattr(d, "AS_BUILT", broken)
+    with pytest.raises(RuntimeError, match="no longer has"):
+        d.variant_source()
 
 
-def test_the_cluster_split_variant_still_applies_to_the_kernel_source():
+def test_the_cluster_split_variant_still_applies_to_the_kernel_source(monkeypatch):
     """``benchmarks/diag_fp4_cluster.py`` edits the CUDA form's source into a split of K across a thread-block
     cluster: each edit must find its one place, every thread must reach the cluster's barriers (no early return
     before them), and the first block's sum must index the fp32 sums as the warps' own reduction does."""
@@ -485,12 +482,9 @@ def test_the_cluster_split_variant_still_applies_to_the_kernel_source():
                     env = {"i": (rt * nt_n + nt) * 4 + e, "NT": nt_n}
                     assert [eval(x.replace("/", "//"), env) for x in unpack] == [rt, nt, e]
     broken = d.AS_BUILT.replace("  const float f = 256.f * gs[0];", "  const float f = gs[0];")
-    d.AS_BUILT, saved = broken, d.AS_BUILT
-    try:
-        with pytest.raises(RuntimeError, match="no longer has"):
-            d.source()
-    finally:
-        d.AS_BUILT = saved
+    monkeypatch.setattr(d, "AS_BUILT", broken)
+    with pytest.raises(RuntimeError, match="no longer has"):
+        d.source()
 
 
 def test_the_coalesced_x_ring_variant_applies_and_its_swizzle_is_a_conflict_free_permutation():
