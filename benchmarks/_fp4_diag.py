@@ -115,20 +115,30 @@ def build(source: str, name: str, cfg: dict, dynamic_bytes: int, extra_static: i
     return kernel
 
 
-def launch(kernel, x2: torch.Tensor, q, cfg: dict, dynamic_bytes: int) -> torch.Tensor:
-    """``fp4_linear_cuda``'s launch of a variant's ``kernel`` (no split of K), into a new bf16 output."""
+def launch(kernel, x2: torch.Tensor, q, cfg: dict, dynamic_bytes: int, split: int = 1) -> torch.Tensor:
+    """``fp4_linear_cuda``'s launch of a variant's ``kernel``, into a new bf16 output: ``split`` blocks along the
+    grid's second axis, each 1/split of K, for a variant that adds their sums itself (no split: 1)."""
     (m, k), n = x2.shape, q.packed.shape[0]
+    chunks = k // _fp4_cuda.CHUNK
+    if chunks % split:
+        raise ValueError(f"K={k}: {chunks} chunks do not split {split} ways")
     w, s = q.packed.view(torch.int32), q.scales.view(torch.uint8)
     y = torch.empty((1, m, n), dtype=torch.bfloat16, device=x2.device)
-    kernel(grid=(-(-n // (16 * cfg.get("rt", 1) * cfg["rw"])), 1, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-           shared_mem=dynamic_bytes, args=[x2, w, s, q.global_scale.reshape(1).float(), y, m, n, k,
-                                           k // _fp4_cuda.CHUNK, x2.stride(0), w.stride(0), s.stride(0),
-                                           y.stride(0), y.stride(1), 0],
+    kernel(grid=(-(-n // (16 * cfg.get("rt", 1) * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
+           shared_mem=dynamic_bytes, args=[x2, w, s, q.global_scale.reshape(1).float(), y, m, n, k, chunks // split,
+                                           x2.stride(0), w.stride(0), s.stride(0), y.stride(0), y.stride(1), 0],
            stream=torch.cuda.current_stream())
     return y[0]
 
 
 KERNEL_ARGS = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
+NT_COMMENT = "\n// NT: 8-token column tiles"  # the kernel's comment above its template: where variants add functions
+
+
+def has_xw(source: str) -> bool:
+    """Whether the kernel ``source`` has XW (the fp4-xw branch's seventh template argument): a variant's own
+    template arguments come after it."""
+    return "int RT, int XW = 0>" in source
 
 
 def edited(source: str, edits: list, who: str) -> str:

@@ -28,7 +28,7 @@ import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import Rows, arguments, build, edited, sm90_registers, warps_an_sm
+from ._fp4_diag import NT_COMMENT, Rows, arguments, build, edited, has_xw, launch, sm90_registers, warps_an_sm
 
 AS_BUILT = _fp4_cuda.SOURCE
 
@@ -51,8 +51,6 @@ __device__ __forceinline__ float load_peer(unsigned local, unsigned rank) {  // 
   return v;
 }
 """
-
-NT_COMMENT = "\n// NT: 8-token column tiles"
 
 EDITS = [
     (NT_COMMENT, "\n" + CLUSTER_PTX + NT_COMMENT),
@@ -82,20 +80,15 @@ EDITS = [
 ]
 
 
-def _xw() -> bool:
-    """Whether the kernel as built has XW (the fp4-xw branch's seventh template argument): CL comes after it."""
-    return "int RT, int XW = 0>" in AS_BUILT
-
-
 def source() -> str:
-    head = "int RT, int XW = 0>" if _xw() else "int RT>"
+    head = "int RT, int XW = 0>" if has_xw(AS_BUILT) else "int RT>"
     return edited(AS_BUILT, [(head + "\n__global__", head.replace(" = 0", "")[:-1] + ", int CL>\n__global__")] + EDITS,
                   "diag_fp4_cluster")
 
 
 def _targs(cfg: dict) -> str:
     return (f"{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, {int(cfg['async'])}, {cfg['rt']}, "
-            + ("0, " if _xw() else "") + f"{cfg['cl']}")
+            + ("0, " if has_xw(AS_BUILT) else "") + f"{cfg['cl']}")
 
 
 def _dynamic(cfg: dict) -> int:
@@ -112,21 +105,10 @@ _BUILT: dict = {}
 
 def fp4_cluster(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
     """The variant at ``cfg`` (``cl`` blocks a cluster, each 1/cl of K), into a new bf16 output."""
-    (m, k), n = x2.shape, q.packed.shape[0]
     key = tuple(sorted(cfg.items()))
     if key not in _BUILT:
         _BUILT[key] = build(source(), f"fp4_mma_sync<{_targs(cfg)}>", cfg, _dynamic(cfg), _part(cfg))
-    chunks = k // _fp4_cuda.CHUNK
-    if chunks % cfg["cl"]:
-        raise ValueError(f"K={k}: {chunks} chunks do not split {cfg['cl']} ways")
-    w, s = q.packed.view(torch.int32), q.scales.view(torch.uint8)
-    y = torch.empty((1, m, n), dtype=torch.bfloat16, device=x2.device)
-    _BUILT[key](grid=(-(-n // (16 * cfg["rt"] * cfg["rw"])), cfg["cl"], 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-                shared_mem=_dynamic(cfg), args=[x2, w, s, q.global_scale.reshape(1).float(), y, m, n, k,
-                                                chunks // cfg["cl"], x2.stride(0), w.stride(0), s.stride(0),
-                                                y.stride(0), y.stride(1), 0],
-                stream=torch.cuda.current_stream())
-    return y[0]
+    return launch(_BUILT[key], x2, q, cfg, _dynamic(cfg), split=cfg["cl"])
 
 
 def configs(m: int) -> list[dict]:

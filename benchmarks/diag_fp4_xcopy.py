@@ -29,7 +29,7 @@ import torch
 from kpt_compiler.kernels import _fp4_cuda
 
 from . import diag_fp4_xring as xring
-from ._fp4_diag import (SM_SHARED, Rows, arguments, build, edited, launch, sm90_registers,
+from ._fp4_diag import (NT_COMMENT, SM_SHARED, Rows, arguments, build, edited, has_xw, launch, sm90_registers,
                          warps_an_sm)
 
 
@@ -75,7 +75,7 @@ LOAD_X = ("#define LOAD_X(slot, P)                                              
 CALL = "          if (ASYNC)\n            chunk_mma<NT>("
 
 EDITS = [
-    (xring.NT_COMMENT, "\n" + chunk_fn() + xring.NT_COMMENT),
+    (NT_COMMENT, "\n" + chunk_fn() + NT_COMMENT),
     (RING_LINE, RING_LINE + X_RING),
     (COMMIT, COPY + COMMIT),
     (LOAD_X, LOAD_X + "ASYNC != 2 && "),
@@ -100,13 +100,13 @@ def source(ca: bool = False) -> str:
     as-built loads do), else L2 only (``.cg``, as the weights')."""
     edits = [(a, b.replace("cp_async16(", "cp_async16_ca(")) if a == COMMIT and ca else (a, b) for a, b in EDITS]
     if ca:
-        edits[0] = (xring.NT_COMMENT, "\n" + CP_ASYNC_CA + chunk_fn() + xring.NT_COMMENT)
+        edits[0] = (NT_COMMENT, "\n" + CP_ASYNC_CA + chunk_fn() + NT_COMMENT)
     return edited(xring.AS_BUILT, edits, "diag_fp4_xcopy")
 
 
 def _targs(cfg: dict) -> str:  # ASYNC 2 is the variant; XW 0 where the kernel has it (the fp4-xw branch)
     return (f"{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, 2, {cfg['rt']}"
-            + (", 0" if "int XW = 0>" in xring.AS_BUILT else ""))
+            + (", 0" if has_xw(xring.AS_BUILT) else ""))
 
 
 _BUILT: dict = {}

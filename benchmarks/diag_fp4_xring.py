@@ -33,12 +33,11 @@ Every fp4 row's output is checked against the default's (relative error).
 
 from __future__ import annotations
 
-
 import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import Rows, arguments, build, edited, launch, sm90_registers
+from ._fp4_diag import NT_COMMENT, Rows, arguments, build, edited, has_xw, launch, sm90_registers, warps_an_sm
 
 AS_BUILT = _fp4_cuda.SOURCE
 
@@ -46,8 +45,9 @@ def _apply(s: str, edits: list) -> str:
     return edited(s, edits, "diag_fp4_xring")
 
 
-def chunk_from_shared(name: str = "chunk_mma_sh", targs: str = "int NT, int TILE, int STEP", params: str = "unsigned xs",
-                      first: str = "xs + nt * TILE", after: str = "xs + nt * TILE + (j + 1) * STEP") -> str:
+def chunk_from_shared(name: str = "chunk_mma_sh", targs: str = "int NT, int TILE, int STEP",
+                      params: str = "unsigned xs", first: str = "xs + nt * TILE",
+                      after: str = "xs + nt * TILE + (j + 1) * STEP") -> str:
     """The as-built ``chunk_mma``, with x read from shared memory one 16-byte step ahead of its MMAs instead of from
     registers: by default ``chunk_mma_sh<NT, TILE, STEP>(..., xs)`` reads token tile nt's step j at xs + nt TILE +
     j STEP (the ring's x: 2048 and 512; x whole at M=1: 0 and 16); ``first`` and ``after`` are the addresses of
@@ -55,7 +55,8 @@ def chunk_from_shared(name: str = "chunk_mma_sh", targs: str = "int NT, int TILE
     start = AS_BUILT.index("template <int NT>\n__device__ __forceinline__ void chunk_mma(")
     fn = AS_BUILT[start:AS_BUILT.index("\n}\n", start) + 3]
     return _apply(fn, [
-        ("template <int NT>\n", f"// chunk_mma with x from shared memory (benchmarks/diag_fp4_x*)\ntemplate <{targs}>\n"),
+        ("template <int NT>\n",
+         f"// chunk_mma with x from shared memory (benchmarks/diag_fp4_x*)\ntemplate <{targs}>\n"),
         ("void chunk_mma(", f"void {name}("),
         ("const uint4 (&xv)[NT][4]) {\n",
          f"{params}) {{\n  uint4 xv[2][NT];\n#pragma unroll\n"
@@ -66,9 +67,6 @@ def chunk_from_shared(name: str = "chunk_mma_sh", targs: str = "int NT, int TILE
          "    }\n"),
         ("const uint4 v = xv[nt][j];", "const uint4 v = xv[j & 1][nt];"),
     ])
-
-
-NT_COMMENT = "\n// NT: 8-token column tiles"
 
 
 # (old, new) pairs applied once each to the kernel as built
@@ -153,7 +151,7 @@ def _edited(edits: list) -> str:
 
 def xw_source() -> str:
     """The kernel with XW, as built where it has it already, else with EDITS_XW applied."""
-    return AS_BUILT if "int XW = 0>" in AS_BUILT else _edited(EDITS_XW)
+    return AS_BUILT if has_xw(AS_BUILT) else _edited(EDITS_XW)
 
 
 def variant_source() -> str:
@@ -231,18 +229,16 @@ def main() -> None:
     variants = (1,) if args.as_built else (1, 2)
     if args.registers:  # shared KB: dynamic and static, at --shape's K for XW
         k = int(args.shape.split("x")[1])
-        print("| M | config (nt, rw, wk, depth, async, rt) | registers | warps an SM by registers | shared KB |\n"
-              "| --- | --- | --- | --- | --- |")
+        print("| M | config (nt, rw, wk, depth, async, rt) | registers | warps an SM (registers, shared memory) | "
+              "shared KB |\n| --- | --- | --- | --- | --- |")
         rows = [(1, c, True) for c in xw_configs()] if args.xw else [
             (m, c, False) for m in (int(v) for v in args.ms.split(",")) for c in configs(m, variants)]
         for m, c, xw in rows:
             r = registers(c, xw)
-            warps = c["rw"] * c["wk"]
-            blocks = 65536 // (warps * 32 * ((r + 7) // 8 * 8))
-            dyn = _ring(c) + 2 * k if xw else shared_bytes(c)
-            kb = (dyn + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"])) / 1024
+            shared = (_ring(c) + 2 * k if xw else shared_bytes(c)) + _fp4_cuda.static_bytes(c["nt"], c["rw"],
+                                                                                           c["wk"], c["rt"])
             print(f"| {m} | {(c['nt'], c['rw'], c['wk'], c['depth'], c['async'], c['rt'])}{' XW' if xw else ''} | "
-                  f"{r} | {blocks * warps} | {kb:.0f} |")
+                  f"{r} | {warps_an_sm(r, c['rw'] * c['wk'], shared)} | {shared / 1024:.0f} |")
         return
     t = Rows(*(int(v) for v in args.shape.split("x")), args.rep_ms)
     for m, x, ref in t.each_m(args.ms):
