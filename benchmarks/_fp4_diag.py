@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from kpt_compiler.bench import relative_error, timing_ms
 from kpt_compiler.kernels import _fp4_cuda
 from kpt_compiler.kernels import _fp4_format as fmt
+from kpt_compiler.kernels._fp4_cuda import edited  # noqa: F401  (the diagnoses' edits, as the kernel's own)
 from kpt_compiler.kernels._launch import sm_count
 
 from .bench_fp4 import copies_for, rotating
@@ -133,22 +134,6 @@ def launch(kernel, x2: torch.Tensor, q, cfg: dict, dynamic_bytes: int, split: in
 
 KERNEL_ARGS = "const u16*, const u32*, const unsigned char*, const float*, void*" + ", int" * 10
 NT_COMMENT = "\n// NT: 8-token column tiles"  # the kernel's comment above its template: where variants add functions
-
-
-def has_xw(source: str) -> bool:
-    """Whether the kernel ``source`` has XW (the fp4-xw branch's seventh template argument): a variant's own
-    template arguments come after it."""
-    return "int RT, int XW = 0>" in source
-
-
-def edited(source: str, edits: list, who: str) -> str:
-    """``source`` with each (old, new) of ``edits`` replaced in turn; each old must be there exactly once, else the
-    kernel has changed under ``who``'s variant and its edits need updating."""
-    for a, b in edits:
-        if source.count(a) != 1:
-            raise RuntimeError(f"{who}: the kernel's source no longer has {a[:60]!r} once; update its edits")
-        source = source.replace(a, b)
-    return source
 
 
 def sm90_cubin(source: str, targs: str, folder: str) -> tuple[str, int]:

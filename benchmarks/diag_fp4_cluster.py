@@ -28,7 +28,7 @@ import torch
 
 from kpt_compiler.kernels import _fp4_cuda
 
-from ._fp4_diag import NT_COMMENT, Rows, arguments, build, edited, has_xw, launch, sm90_registers, warps_an_sm
+from ._fp4_diag import NT_COMMENT, Rows, arguments, build, edited, launch, sm90_registers, warps_an_sm
 
 AS_BUILT = _fp4_cuda.SOURCE
 
@@ -81,14 +81,11 @@ EDITS = [
 
 
 def source() -> str:
-    head = "int RT, int XW = 0>" if has_xw(AS_BUILT) else "int RT>"
-    return edited(AS_BUILT, [(head + "\n__global__", head.replace(" = 0", "")[:-1] + ", int CL>\n__global__")] + EDITS,
-                  "diag_fp4_cluster")
+    return edited(AS_BUILT, [("int RT>\n__global__", "int RT, int CL>\n__global__")] + EDITS, "diag_fp4_cluster")
 
 
 def _targs(cfg: dict) -> str:
-    return (f"{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, {int(cfg['async'])}, {cfg['rt']}, "
-            + ("0, " if has_xw(AS_BUILT) else "") + f"{cfg['cl']}")
+    return f"{cfg['nt']}, {cfg['rw']}, {cfg['wk']}, {cfg['depth']}, {int(cfg['async'])}, {cfg['rt']}, {cfg['cl']}"
 
 
 def _dynamic(cfg: dict) -> int:

@@ -133,10 +133,13 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[NT][4], const uint4 lo, c
   }
 }
 
+// @chunk_mma_shx: chunk_mma with x from the ring (ASYNC 2), made from chunk_mma's text by chunk_from_shared
+
 // NT: 8-token column tiles (M <= 8 NT); RW: 16-row tiles a block (one warp each), whose warps read the same x
 // (from L1 after the first); WK: warps along K a row tile; DEPTH: chunks of weights in flight (DEPTH - 1 ahead
 // of the one decoded); ASYNC: 0, the weights' loads go to registers; 1, to a ring of DEPTH chunks a warp in
-// shared memory (cp.async: bytes in flight that hold no registers). The scales go to registers either way.
+// shared memory (cp.async: bytes in flight that hold no registers); 2, x's chunk too, copied whole (M=9-16:
+// x's 64 registers freed, docs/fp4-cuda-kernel.md). The scales go to registers either way.
 template <int NT, int RW, int WK, int DEPTH, int ASYNC, int RT>
 __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
     const u16 *__restrict__ x, const u32 *__restrict__ w, const unsigned char *__restrict__ s,
@@ -181,6 +184,20 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
   // this lane's 16 bytes of row tile 0's row lo in slot 0 (a shared address); + 1024 RT a slot, + 1024 a row
   // tile, + 512 for row hi
   const unsigned ring = shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane);
+  // ASYNC 2: x's chunk whole (8 NT tokens x 256 bytes) in DEPTH slots a warp after every warp's weights;
+  // copy i of lane l is unit u = l % 16 of token 2 i + l / 16 (one instruction: two tokens' 256 contiguous
+  // bytes), stored at unit u ^ 2 (u >> 3) ^ (token & 1) of the token's 256 bytes (8 lanes reading one step of
+  // two tokens then hit 8 groups of banks)
+  const unsigned xbase = shared_address(ring_all + RW * WK * DEPTH * RT * 64 + (threadIdx.x >> 5) * DEPTH * NT * 128);
+  const unsigned xu = lane & 15, xdst = xbase + (lane >> 4) * 256 + ((xu ^ ((xu >> 3) << 1) ^ (lane >> 4)) << 4);
+  const u16 *const xsrc = x + (long long)(lane >> 4) * stride_xm + 8 * xu + 128 * first;
+  unsigned xa[NT], xc[NT];  // lane (g, t) reads token tile nt's step j at xa + slot + 16 (j ^ xc)
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int tok = nt * 8 + g < M ? nt * 8 + g : M - 1;
+    xa[nt] = xbase + tok * 256 + 64 * t;
+    xc[nt] = ((t >> 1) << 1) ^ (tok & 1);
+  }
 
   // The loads of a warp's chunk i0 + P (P a compile-time offset) from pointers advanced by DEPTH chunks a turn
   // of the loop below, so that their offsets are immediates.
@@ -197,10 +214,16 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
       sb[slot][rt][0] = *(const u16 *)(s_lo[rt] + 8 * WK * (P));                               \
       sb[slot][rt][1] = *(const u16 *)(s_hi[rt] + 8 * WK * (P));                               \
     }                                                                                          \
+    if (ASYNC == 2) {  /* tokens past M not copied: their reads take token M - 1's */          \
+      _Pragma("unroll") for (int i = 0; i < NT * 4; ++i)                                       \
+        if (2 * i + (lane >> 4) < M)                                                           \
+          cp_async16(xdst + (slot) * NT * 2048 + i * 512,                                      \
+                     xsrc + 2 * i * stride_xm + 128 * WK * (i0 + (P)));                        \
+    }                                                                                          \
   }                                                                                            \
   if (ASYNC) cp_async_commit();  /* a group every turn, empty or not: wait_group counts them */
 #define LOAD_X(slot, P)                                                                        \
-  if (i0 + (P) < count) {                                                                      \
+  if (ASYNC != 2 && i0 + (P) < count) {                                                                      \
     _Pragma("unroll") for (int nt = 0; nt < NT; ++nt)                                          \
       _Pragma("unroll") for (int q = 0; q < 4; ++q)                                            \
         xb[slot][nt][q] = load_cached(x_row[nt] + 16 * WK * (P) + q);                          \
@@ -214,12 +237,18 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 #pragma unroll
     for (int p = 0; p < DEPTH; ++p) {
       if (i0 + p < count) {
+        if (ASYNC == 2) __syncwarp();  // every lane has read the slot that these copies overwrite
         LOAD_W((p + DEPTH - 1) % DEPTH, p + DEPTH - 1)
         LOAD_X((p + 1) % 2, p + 1)
         if (ASYNC) cp_async_wait<DEPTH - 1>();  // this chunk's group has landed: at most DEPTH - 1 pending
+        if (ASYNC == 2) __syncwarp();  // and every lane's copies of x with it (a lane reads others' copies)
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {  // x's registers serve every row tile of the warp
-          if (ASYNC)
+          if (ASYNC == 2)
+            chunk_mma_shx<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),
+                              load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1],
+                              xa, xc, p * NT * 2048);
+          else if (ASYNC)
             chunk_mma<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),
                           load_shared(ring + (p * RT + rt) * 1024 + 512), sb[p][rt][0], sb[p][rt][1], xb[p % 2]);
           else
@@ -279,15 +308,56 @@ __global__ void __launch_bounds__(RW * WK * 32) fp4_mma_sync(
 """
 
 
+def edited(source: str, edits: list, who: str) -> str:
+    """``source`` with each (old, new) of ``edits`` replaced in turn; each old must be there exactly once, else the
+    kernel has changed under ``who``'s edits (this module's, or a diagnosis's variant: benchmarks/diag_fp4_*)."""
+    for a, b in edits:
+        if source.count(a) != 1:
+            raise RuntimeError(f"{who}: the kernel's source no longer has {a[:60]!r} once; update its edits")
+        source = source.replace(a, b)
+    return source
+
+
+def chunk_from_shared(source: str, name: str, targs: str, params: str, first: str, after: str) -> str:
+    """``source``'s ``chunk_mma`` with x read from shared memory one 16-byte step ahead of its MMAs instead of from
+    registers: ``name<targs>(..., params)``, token tile nt's step 0 at address ``first`` and step j + 1 at ``after``
+    (C expressions of nt and j). Made from chunk_mma's text, so the decode is the same code."""
+    start = source.index("template <int NT>\n__device__ __forceinline__ void chunk_mma(")
+    fn = source[start:source.index("\n}\n", start) + 3]
+    return edited(fn, [
+        ("template <int NT>\n", f"template <{targs}>\n"),
+        ("void chunk_mma(", f"void {name}("),
+        ("const uint4 (&xv)[NT][4]) {\n",
+         f"{params}) {{\n  uint4 xv[2][NT];\n#pragma unroll\n"
+         f"  for (int nt = 0; nt < NT; ++nt) xv[0][nt] = load_shared({first});\n"),
+        ("  for (int j = 0; j < 4; ++j) {\n",
+         "  for (int j = 0; j < 4; ++j) {\n    if (j < 3) {\n#pragma unroll\n"
+         f"      for (int nt = 0; nt < NT; ++nt) xv[(j + 1) & 1][nt] = load_shared({after});\n"
+         "    }\n"),
+        ("const uint4 v = xv[nt][j];", "const uint4 v = xv[j & 1][nt];"),
+    ], "chunk_from_shared")
+
+
+SHX = "// @chunk_mma_shx: chunk_mma with x from the ring (ASYNC 2), made from chunk_mma's text by chunk_from_shared\n"
+SOURCE = edited(SOURCE, [(SHX, "// chunk_mma with x from the ring (ASYNC 2): token tile nt's step j at xa + off + 16 (j ^ xc)\n"
+                          + chunk_from_shared(
+    SOURCE, "chunk_mma_shx", "int NT", "const unsigned (&xa)[NT], const unsigned (&xc)[NT], unsigned off",
+    "xa[nt] + off + 16 * xc[nt]", "xa[nt] + off + 16 * ((j + 1) ^ xc[nt])"))], "_fp4_cuda")
+
+
 @functools.lru_cache(maxsize=4096)  # a call per layer and step: the same few shapes (read only: callers copy)
 def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     """The launch settings for M x N x K: the register pipeline up to M=8 (the async ring with 2 row tiles a warp
-    past 8 SMs' worth of row tiles), the ring from M=9 (H200, s29-s33; docs/fp4-cuda-kernel.md, "config")."""
+    past 8 SMs' worth of row tiles), the ring from M=9 (H200, s29-s33; docs/fp4-cuda-kernel.md, "config"), with x
+    copied into it too and 12 warps along K where a block an SM covers the rows and K has 48 chunks or more (H100,
+    s47-s48: 4096x14336 at M=16, 0.0178 ms against 0.0205 for the ring of x in registers at 8 warps)."""
     chunks = k // CHUNK
     tiles = -(-n // 16)
     rt = 4 if -(-tiles // 4) >= sms else 2
     groups = -(-tiles // rt)
     if m > 8 and groups * 8 >= 4 * sms:  # two token tiles: RT row tiles a warp through the async ring
+        if rt == 2 and groups <= sms and chunks >= 4 * 12:  # a block an SM, K long: 12 warps, x through the ring
+            return dict(cuda=True, nt=2, rw=1, wk=12, depth=2, split_k=1, rt=2, **{"async": 2})
         wk = 1
         while wk < 8 and groups * wk * 2 <= 8 * sms and chunks >= 4 * wk:
             wk *= 2
@@ -339,7 +409,7 @@ def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, de
     with torch.cuda.device(device_index):
         kernel = torch.cuda._compile_kernel(
             SOURCE, f"fp4_mma_sync<{nt}, {rw}, {wk}, {depth}, {asynchronous}, {rt}>", nvcc_options=["-std=c++17"])
-        ring = ring_bytes(rw, wk, depth, asynchronous, rt)
+        ring = ring_bytes(rw, wk, depth, asynchronous, rt, nt)
         if ring >= 48 * 1024:  # torch's launcher asks for this from 48 KB of dynamic shared memory on
             kernel.set_shared_memory_config(ring)
         elif ring + static_bytes(nt, rw, wk, rt) > 48 * 1024:  # past 48 KB in all: the driver's opt-in
@@ -354,9 +424,10 @@ def _build(nt: int, rw: int, wk: int, depth: int, asynchronous: int, rt: int, de
     return kernel
 
 
-def ring_bytes(rw: int, wk: int, depth: int, asynchronous: int, rt: int = 1) -> int:
-    """The async form's shared memory: DEPTH chunks of RT row tiles' two rows, 16 bytes a lane, a warp each."""
-    return rw * wk * depth * rt * 2 * 32 * 16 if asynchronous else 0
+def ring_bytes(rw: int, wk: int, depth: int, asynchronous: int, rt: int = 1, nt: int = 1) -> int:
+    """The async form's shared memory: DEPTH chunks of RT row tiles' two rows, 16 bytes a lane, a warp each; at
+    async 2 also DEPTH chunks of x's NT token tiles (8 tokens x 256 bytes) a warp."""
+    return rw * wk * depth * (rt * 2 * 32 * 16 + (nt * 2048 if asynchronous == 2 else 0)) if asynchronous else 0
 
 
 _COMPILED: set = set()
@@ -414,7 +485,8 @@ def fp4_linear_cuda(x2: Tensor, packed: Tensor, scales: Tensor, global_scale: Te
     rt = cfg.get("rt", 1)
     with torch.cuda.device(x2.device):  # the kernel's context and x's stream, whatever device is current
         kernel(grid=(-(-n // (16 * rt * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-               shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), rt),
+               shared_mem=ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), rt,
+                                     cfg["nt"]),
                args=[x2, w, s, gs, out, m, n, k, per_split, x2.stride(0), w.stride(0), s.stride(0),
                      out.stride(0), out.stride(1), int(split > 1)], stream=torch.cuda.current_stream(x2.device))
     return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)

@@ -256,12 +256,14 @@ def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
     if (cfg["nt"] not in (1, 2) or 8 * cfg["nt"] < m or cfg["depth"] not in (2, 4, 6, 8)
             or min(cfg["rw"], cfg["wk"], cfg["split_k"]) < 1 or cfg["rw"] * cfg["wk"] > 32
             or cfg.get("rt", 1) not in (1, 2, 4) or cfg.get("rt", 1) == 4 and cfg["depth"] > 4
-            or cfg["nt"] == 2 and cfg["rw"] * cfg["wk"] > 16):
+            or cfg["nt"] == 2 and cfg["rw"] * cfg["wk"] > 16 or int(cfg.get("async", 0)) not in (0, 1, 2)):
         raise ValueError(f"fp4_linear: CUDA form config {cfg}: nt 1 or 2 (8 nt >= M={m}), depth 2, 4, 6 or 8, "
                          "rw, wk and split_k at least 1, rw x wk warps at most 32 (16 with nt=2), rt 1, 2 or 4 "
-                         "(4 with depth 4 at most): past these the registers spill")
+                         "(4 with depth 4 at most): past these the registers spill; async False, True or 2 (x "
+                         "through the ring too)")
     static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg.get("rt", 1))
-    ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1))
+    ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1),
+                                cfg["nt"])
     limit = torch.cuda.get_device_properties(x2.device).shared_memory_per_block_optin
     if static > 48 * 1024 or static + ring > limit:
         raise ValueError(f"fp4_linear: CUDA form config {cfg} needs {static} bytes of static and {ring} of dynamic "

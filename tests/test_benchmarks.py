@@ -438,26 +438,21 @@ def test_the_l2_diagnosis_variants_still_apply_to_the_kernel_source():
             assert "fp4_mma_sync" in d.source(*variant), (exp, name)
 
 
-def test_the_x_placement_variants_still_apply_to_the_kernel_source(monkeypatch):
-    """``benchmarks/diag_fp4_xring.py`` edits the CUDA form's source into its variants (x through the ring; x whole
-    in shared memory at M=1; x's reads pinned to a warp's first chunk, a bound): each edit must still find its one
-    place, and each variant must keep the as-built kernel as a case of it (the as-built calls are still there, the
-    variants' own are added)."""
+def test_the_x_pinned_bound_still_applies_to_the_kernel_source(monkeypatch):
+    """``benchmarks/diag_fp4_xring.py --x-pinned`` edits the CUDA form's source into a bound (x's reads pinned to a
+    warp's first chunk): each edit must still find its one place, and a kernel that lost it must say so."""
     from benchmarks import diag_fp4_xring as d
 
-    ring, whole, pinned = d.variant_source(), d.xw_source(), d._edited(d.EDITS_X_PINNED)
-    assert ring.count("chunk_mma_sh<NT, 2048, 512>(") == 1 and ring.count("if (ASYNC != 2 && ") == 1
+    pinned = d.pinned_source()
     assert "x_row[nt] + q);  /* pinned */" in pinned and "x_row[nt] += " not in pinned
-    assert "int RT, int XW = 0>" in whole and (whole is d.AS_BUILT or whole.count("chunk_mma_sh<NT, 0, 16>(") == 2)
-    # the variants' chunk_mma is the kernel's own, derived: its decode and MMAs are the as-built lines
-    shared = d.chunk_from_shared()
-    assert all(line in shared for line in d.AS_BUILT.splitlines() if "pair<" in line or "mma(acc[nt]" in line)
-    for s in (ring, whole):
-        assert s.count("chunk_mma<NT>(") == d.AS_BUILT.count("chunk_mma<NT>(")
-    broken = d.AS_BUILT.replace("\n// NT: 8-token column tiles", "\n// NT:")
+    assert pinned.count("chunk_mma<NT>(") == d.AS_BUILT.count("chunk_mma<NT>(")
+    # the configs it times: x in registers and through the ring, each within a block's shared memory
+    assert {c["async"] for c in d.configs(16)} == {1, 2} and all(c["nt"] == 2 for c in d.configs(16))
+    assert all(d.shared_bytes(c) <= 227 * 1024 for c in d.configs(16))
+    broken = d.AS_BUILT.replace("x_row[nt] += 16 * WK * DEPTH;", "x_row[nt] += 16 * WK * DEPTH; ")
     monkeypatch.setattr(d, "AS_BUILT", broken)
     with pytest.raises(RuntimeError, match="no longer has"):
-        d.variant_source()
+        d.pinned_source()
 
 
 def test_the_cluster_split_variant_still_applies_to_the_kernel_source(monkeypatch):
@@ -487,37 +482,3 @@ def test_the_cluster_split_variant_still_applies_to_the_kernel_source(monkeypatc
         d.source()
 
 
-def test_the_coalesced_x_ring_variant_applies_and_its_swizzle_is_a_conflict_free_permutation():
-    """``benchmarks/diag_fp4_xcopy.py``: its edits find their places, its chunk_mma is the kernel's own decode, and
-    the layout it writes is the one it reads: copy i of lane l puts unit l % 16 of token 2 i + l / 16 at
-    ``swz(token, u)``, lane (g, t) reads step j of token g at ``4 t + (j ^ c)``; within a token that is a
-    permutation, each lane finds its own unit 4 t + j, and the 8 lanes of each phase of a 16-byte read (lanes
-    8p..8p+7: two tokens, four t) hit 8 different groups of 4 banks."""
-    from benchmarks import diag_fp4_xcopy as d
-
-    s = d.source()
-    assert s.count("chunk_mma_shx<NT>(") == 1 and s.count("__syncwarp();") == 2
-    ca = d.source(ca=True)  # x's copies through L1: those and only those
-    assert ca.count("cp_async16_ca(") == 2 and ca.replace(d.CP_ASYNC_CA, "").replace("cp_async16_ca(", "cp_async16(") == s
-    assert all(line in s for line in d.xring.AS_BUILT.splitlines() if "pair<" in line or "mma(acc[nt]" in line)
-    # the C expressions the Python below mirrors
-    assert "((xu ^ ((xu >> 3) << 1) ^ (lane >> 4)) << 4)" in s and "xc[nt] = ((t >> 1) << 1) ^ (tok & 1);" in s
-    assert "xa[nt] + off + 16 * ((j + 1) ^ xc[nt])" in s and "xa[nt] = xbase + tok * 256 + 64 * t;" in s
-
-    def stored(tok, u):  # the 16-byte unit of the token's 256 bytes where unit u lies
-        return u ^ ((u >> 3) << 1) ^ (tok & 1)
-
-    def read(tok, t, j):  # where lane (g, t) of token tok reads step j
-        return 4 * t + (j ^ (((t >> 1) << 1) ^ (tok & 1)))
-
-    for tok in range(16):
-        assert sorted(stored(tok, u) for u in range(16)) == list(range(16))
-        for t in range(4):
-            for j in range(4):
-                assert read(tok, t, j) == stored(tok, 4 * t + j)
-    for phase in range(4):  # 16-byte reads: lanes 8p..8p+7 (g = 2p, 2p + 1) together; token rows 256 bytes apart
-        for j in range(4):
-            for tile in range(2):
-                groups = {(256 * (8 * tile + g) + 16 * read(8 * tile + g, t, j)) // 16 % 8
-                          for g in (2 * phase, 2 * phase + 1) for t in range(4)}
-                assert len(groups) == 8, (phase, j, groups)

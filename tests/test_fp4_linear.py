@@ -296,10 +296,16 @@ def test_the_cuda_forms_config_follows_the_h200_sweep_and_its_keys_are_checked(m
     assert [(c["wk"], c["split_k"], c["rw"], c["depth"], c["nt"]) for c in pick.values()] == [
         (8, 1, 1, 2, 1), (8, 1, 1, 2, 1), (2, 1, 1, 2, 1)]
     assert _fp4_cuda.config(16, 4096, 4096, 132)["nt"] == 2 and _fp4_cuda.config(8, 4096, 4096, 132)["nt"] == 1
-    # M=9-16: the async ring with RT row tiles a warp, s31's fastest at each shape; too few rows keep one tile
+    # M=9-16: the async ring with RT row tiles a warp, s31's fastest at each shape; too few rows keep one tile;
+    # where a block an SM covers the rows and K has 48 chunks, x through the ring too at 12 warps along K (s48, H100)
     nine = {(n, k): _fp4_cuda.config(9, n, k, 132) for n, k in ((4096, 4096), (4096, 14336), (14336, 4096))}
     assert [(c["rt"], c["wk"], c["async"], c["split_k"]) for c in nine.values()] == [
-        (2, 8, True, 1), (2, 8, True, 1), (4, 4, True, 1)]
+        (2, 8, True, 1), (2, 12, 2, 1), (4, 4, True, 1)]
+    assert _fp4_cuda.config(16, 4096, 128 * 47, 132)["async"] is True  # K short of 48 chunks: x in registers
+    assert _fp4_cuda.config(16, 4096 + 16 * 2 * 132, 14336, 132)["async"] is True  # more than a block an SM
+    # async 2's shared memory: the weights' ring and x's, DEPTH chunks of NT token tiles a warp
+    assert _fp4_cuda.ring_bytes(1, 12, 2, 2, 2, 2) == 12 * 2 * (2 * 1024 + 2 * 2048)
+    assert _fp4_cuda.ring_bytes(1, 12, 2, 1, 2, 2) == 12 * 2 * 2 * 1024
     assert "rt" not in _fp4_cuda.config(16, 1024, 4096, 132) and "rt" not in _fp4_cuda.config(8, 14336, 4096, 132)
     # ... and where rows leave room for only 2 warps along K (gate and up as one group, an LM head), 2 row groups a
     # block (s33's sweep: 27.3-28.9 us against 32.9-34.2 with one)
@@ -318,6 +324,46 @@ def test_the_cuda_forms_config_follows_the_h200_sweep_and_its_keys_are_checked(m
     x = torch.randn(9, 256).to(torch.bfloat16)
     for cfg, what in (({"depth": 3}, "depth 2, 4, 6 or 8"), ({"nt": 1}, r"8 nt >= M=9"),
                       ({"rw": 8, "wk": 8}, "at most 32"), ({"rw": -1, "wk": -1}, "at least 1"),
-                      ({"split_k": 0}, "at least 1"), ({"block_n": 64}, "Triton forms' keys")):
+                      ({"split_k": 0}, "at least 1"), ({"block_n": 64}, "Triton forms' keys"),
+                      ({"async": 3}, "async False, True or 2")):
         with pytest.raises(ValueError, match=what):
             fp4_linear(x, q, config={"cuda": True, **cfg})
+
+
+def test_x_through_the_ring_reads_what_it_copied_from_a_conflict_free_swizzle():
+    """kernels/_fp4_cuda.py at async 2: its chunk_mma_shx is chunk_mma's decode with x from shared memory, the warp
+    meets before reading others' copies and before overwriting a slot, and the layout it writes is the one it
+    reads: copy i of lane l puts unit l % 16 of token 2 i + l / 16 at ``stored(token, u)``, lane (g, t) reads step
+    j of token g at ``4 t + (j ^ c)``; within a token that is a permutation, each lane finds its own unit 4 t + j,
+    and the 8 lanes of each phase of a 16-byte read (lanes 8p..8p+7: two tokens, four t) hit 8 different groups of
+    4 banks."""
+    from kpt_compiler.kernels import _fp4_cuda
+
+    s = _fp4_cuda.SOURCE
+    assert s.count("chunk_mma_shx<NT>(") == 1 and s.count("if (ASYNC == 2) __syncwarp();") == 2
+    start = s.index("void chunk_mma_shx(")
+    shx, plain = s[start:s.index("\n}\n", start)], s[s.index("void chunk_mma("):start]
+    assert [ln for ln in shx.splitlines() if "pair<" in ln or "mma(acc[nt]" in ln] == [
+        ln for ln in plain.splitlines() if "pair<" in ln or "mma(acc[nt]" in ln]
+    assert "if (ASYNC != 2 && i0" in s  # x's register loads only where x does not come through the ring
+    # the C expressions the Python below mirrors
+    assert "((xu ^ ((xu >> 3) << 1) ^ (lane >> 4)) << 4)" in s and "xc[nt] = ((t >> 1) << 1) ^ (tok & 1);" in s
+    assert "xa[nt] + off + 16 * ((j + 1) ^ xc[nt])" in s and "xa[nt] = xbase + tok * 256 + 64 * t;" in s
+
+    def stored(tok, u):  # the 16-byte unit of the token's 256 bytes where unit u lies
+        return u ^ ((u >> 3) << 1) ^ (tok & 1)
+
+    def read(tok, t, j):  # where lane (g, t) of token tok reads step j
+        return 4 * t + (j ^ (((t >> 1) << 1) ^ (tok & 1)))
+
+    for tok in range(16):
+        assert sorted(stored(tok, u) for u in range(16)) == list(range(16))
+        for t in range(4):
+            for j in range(4):
+                assert read(tok, t, j) == stored(tok, 4 * t + j)
+    for phase in range(4):  # 16-byte reads: lanes 8p..8p+7 (g = 2p, 2p + 1) together; token rows 256 bytes apart
+        for j in range(4):
+            for tile in range(2):
+                groups = {(256 * (8 * tile + g) + 16 * read(8 * tile + g, t, j)) // 16 % 8
+                          for g in (2 * phase, 2 * phase + 1) for t in range(4)}
+                assert len(groups) == 8, (phase, j, groups)

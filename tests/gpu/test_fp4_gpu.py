@@ -114,14 +114,21 @@ def test_the_bf16_pair_mma_form_is_exact_over_its_scale_range_in_ptx(f):
     (7, 16917, 1024, {"async": True, "rt": 2, "wk": 2, "nt": 1}),
     (16, 16917, 4096, {"async": True, "rt": 4, "rw": 2, "wk": 2, "nt": 2}),
     (1, 4096, 14336, {"async": True, "wk": 12, "depth": 2, "rt": 1}),
-    (16, 4096, 14336, {"async": True, "wk": 12, "depth": 2, "rt": 2, "nt": 2})])
+    (16, 4096, 14336, {"async": True, "wk": 12, "depth": 2, "rt": 2, "nt": 2}),
+    (16, 4096, 14336, {}), (9, 4096, 14336, {}), (13, 1000, 6144, {"async": 2, "wk": 12, "rt": 2, "nt": 2}),
+    (11, 333, 1024, {"async": 2, "wk": 3, "depth": 4, "rt": 1, "nt": 2}), (1, 4096, 14336, {"async": 2, "wk": 12}),
+    (5, 1000, 2048, {"async": 2, "rw": 2, "wk": 2, "depth": 4, "nt": 1}),
+    (9, 333, 1024, {"async": 2, "split_k": 3, "wk": 2, "nt": 2}),
+    (16, 16917, 4096, {"async": 2, "rt": 4, "rw": 2, "wk": 2, "nt": 2})])
 def test_the_cuda_form_against_the_dequantized_matmul(M, N, K, cfg):
     # kernels/_fp4_cuda.py: ragged N and M (rows and tokens past the end read clamped, never stored), one and
     # two 8-token tiles, several row tiles a block, warps along K that do not divide the chunks, K split
     # across blocks, the weights through shared memory (async) with rings of 2 to 8 chunks; the default for many
     # rows at M<=8 (the ring with 2 row tiles a warp), and that config pinned with the last row tile ragged; the
     # M=9-16 pick for many rows (2 row groups a block), pinned likewise; 12 warps along K (bench_fp4's s44 sweep
-    # configs: 112 chunks, 9 or 10 a warp; at M=16 72 KB of shared memory, past the 48 KB opt-in)
+    # configs: 112 chunks, 9 or 10 a warp; at M=16 72 KB of shared memory, past the 48 KB opt-in); x through the
+    # ring (async 2): the M=9-16 default at 4096x14336 (168 KB of shared memory), ragged tokens and rows, warps
+    # along K that do not divide the chunks, 4 chunks in flight, M=1, 2 row groups, a split of K, 4 row tiles
     g = torch.Generator(device="cuda").manual_seed(M + N)
     w = torch.randn(N, K, device="cuda", generator=g) * 0.02
     x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
