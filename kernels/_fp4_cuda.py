@@ -350,7 +350,9 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     """The launch settings for M x N x K: the register pipeline up to M=8 (the async ring with 2 row tiles a warp
     past 8 SMs' worth of row tiles), the ring from M=9 (H200, s29-s33; docs/fp4-cuda-kernel.md, "config"), with x
     copied into it too and 12 warps along K where a block an SM covers the rows and K has 48 chunks or more (H100,
-    s47-s48: 4096x14336 at M=16, 0.0178 ms against 0.0205 for the ring of x in registers at 8 warps)."""
+    s47-s48: 4096x14336 at M=16, 0.0178 ms against 0.0205 for the ring of x in registers at 8 warps); at M=1 the
+    ring at 12 warps along K where two blocks an SM cover the rows and K is as long (H100, s45-s48: 0.0148-0.0150
+    ms against 0.0150-0.0153 for the register pipeline at 8 warps, five runs)."""
     chunks = k // CHUNK
     tiles = -(-n // 16)
     rt = 4 if -(-tiles // 4) >= sms else 2
@@ -371,6 +373,8 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     split = 1
     while tiles * split * wk < 8 * sms and chunks // (split * 2) >= 2 * wk:
         split *= 2
+    if m == 1 and wk == 8 and split == 1 and tiles <= 2 * sms and chunks >= 4 * 12:  # two blocks an SM, K long
+        return dict(cuda=True, nt=1, rw=1, wk=12, depth=2, split_k=1, rt=1, **{"async": True})  # s45-s48, H100
     return dict(cuda=True, nt=1 if m <= 8 else 2, rw=1, wk=wk, depth=2, split_k=split)
 
 
@@ -440,9 +444,10 @@ def compiled(cfg: dict, device: torch.device) -> bool:
 
 
 def prepare(n: int, k: int, device: torch.device, sms: int) -> None:
-    """Compile the kernels the default config picks for an N x K weight at every M up to MAX_M (one and two
-    8-token tiles): the fp4 pass calls this when it compiles a graph, outside any capture."""
-    for m in (8, MAX_M):
+    """Compile the kernels the default config picks for an N x K weight at every M up to MAX_M (M=1, which may
+    have its own, and one and two 8-token tiles): the fp4 pass calls this when it compiles a graph, outside any
+    capture."""
+    for m in (1, 8, MAX_M):
         _kernel(*_key(config(m, n, k, sms), device.index or 0))
 
 

@@ -296,6 +296,15 @@ def test_the_cuda_forms_config_follows_the_h200_sweep_and_its_keys_are_checked(m
     assert [(c["wk"], c["split_k"], c["rw"], c["depth"], c["nt"]) for c in pick.values()] == [
         (8, 1, 1, 2, 1), (8, 1, 1, 2, 1), (2, 1, 1, 2, 1)]
     assert _fp4_cuda.config(16, 4096, 4096, 132)["nt"] == 2 and _fp4_cuda.config(8, 4096, 4096, 132)["nt"] == 1
+    # M=1 where two blocks an SM cover the rows and K has 48 chunks: the ring at 12 warps along K (s45-s48, H100);
+    # prepare builds it beside M=8's and M=16's, so a capture finds it loaded
+    one = _fp4_cuda.config(1, 4096, 14336, 132)
+    assert (one["wk"], one["async"], one["rt"], one["split_k"]) == (12, True, 1, 1)
+    assert _fp4_cuda.config(1, 4096, 4096, 132) == _fp4_cuda.config(4, 4096, 4096, 132)
+    built = []
+    monkeypatch.setattr(_fp4_cuda, "_kernel", lambda *key: built.append(key))
+    _fp4_cuda.prepare(4096, 14336, torch.device("cuda", 0), 132)
+    assert [k[2] for k in built] == [12, 8, 12] and [k[4] for k in built] == [1, 0, 2]
     # M=9-16: the async ring with RT row tiles a warp, s31's fastest at each shape; too few rows keep one tile;
     # where a block an SM covers the rows and K has 48 chunks, x through the ring too at 12 warps along K (s48, H100)
     nine = {(n, k): _fp4_cuda.config(9, n, k, 132) for n, k in ((4096, 4096), (4096, 14336), (14336, 4096))}
