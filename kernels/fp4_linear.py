@@ -35,7 +35,7 @@ from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kern
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # what the cost model's tables are keyed by
-SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_cuda", "_fp4_format", "_launch")
+SOURCE_MODULES = ("fp4_linear", "_fp4_gemv", "_fp4_mma", "_fp4_cuda", "_fp4_cuda_source", "_fp4_format", "_launch")
 # the CUDA form's config (kernels/_fp4_cuda.py)
 CUDA_KEYS = {"cuda", "nt", "rw", "wk", "depth", "async", "rt", "split_k"}
 
@@ -66,8 +66,7 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     rb = tl.arange(0, BLOCK_K // 2)  # packed bytes along K: byte j holds elements 2j (low nibble) and 2j + 1
     rs = tl.arange(0, BLOCK_K // BLOCK)
     # the tensor scale (1 for MXFP4), from memory, times the decode's factor: 1/2 (twice the values) or 2^14 (on the
-    # scale, not the values: fp16 activations would make them subnormal; an E8M0 scale past 2^113 would overflow,
-    # which no weight that fits in fp32 comes near)
+    # scale: fp16 activations would make the values subnormal; no fp32 weight has an E8M0 scale past 2^113)
     half_gs = (16384.0 if DECODE > 0 else 0.5) * tl.load(gs_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
@@ -259,10 +258,9 @@ def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
             or cfg["nt"] == 2 and cfg["rw"] * cfg["wk"] > 16 or int(cfg.get("async", 0)) not in (0, 1, 2)):
         raise ValueError(f"fp4_linear: CUDA form config {cfg}: nt 1 or 2 (8 nt >= M={m}), depth 2, 4, 6 or 8, "
                          "rw, wk and split_k at least 1, rw x wk warps at most 32 (16 with nt=2), rt 1, 2 or 4 "
-                         "(4 with depth 4 at most): past these the registers spill; async False, True or 2 (x "
-                         "through the ring too)")
+                         "(4 with depth 4 at most): past these the registers spill; async False, True or 2")
     static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg.get("rt", 1))
-    ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1),
+    ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", 0)), cfg.get("rt", 1),
                                 cfg["nt"])
     limit = torch.cuda.get_device_properties(x2.device).shared_memory_per_block_optin
     if static > 48 * 1024 or static + ring > limit:
