@@ -323,7 +323,8 @@ def chunk_from_shared(source: str, name: str, targs: str, params: str, first: st
 
 
 SHX = "// @chunk_mma_shx: chunk_mma with x from the ring (ASYNC 2), made from chunk_mma's text by chunk_from_shared\n"
-SHX_TEXT = "// chunk_mma with x from the ring (ASYNC 2): token tile nt's step j at xa + off + 16 (j ^ xc)\n"
-SOURCE = edited(SOURCE, [(SHX, SHX_TEXT + chunk_from_shared(
-    SOURCE, "chunk_mma_shx", "int NT", "const unsigned (&xa)[NT], const unsigned (&xc)[NT], unsigned off",
-    "xa[nt] + off + 16 * xc[nt]", "xa[nt] + off + 16 * ((j + 1) ^ xc[nt])"))], "_fp4_cuda")
+SOURCE = edited(SOURCE, [(SHX,
+    "// chunk_mma with x from the ring (ASYNC 2): token tile nt's step j at xa + off + 16 (j ^ xc)\n"
+    + chunk_from_shared(
+        SOURCE, "chunk_mma_shx", "int NT", "const unsigned (&xa)[NT], const unsigned (&xc)[NT], unsigned off",
+        "xa[nt] + off + 16 * xc[nt]", "xa[nt] + off + 16 * ((j + 1) ^ xc[nt])"))], "_fp4_cuda")

@@ -1,8 +1,8 @@
 """``y = x @ w.T``, ``w`` in fp4 (NVFP4 or MXFP4, _fp4_format.py) dequantized in registers: ``kpt::fp4_linear``.
 
 On NVIDIA GPUs from sm_89, NVFP4 weights with bf16 activations at M=1-16 and K a multiple of 128 take the CUDA
-C++ form by default (``config={"cuda": True}``, kernels/_fp4_cuda.py: mma.sync with each lane decoding its own
-fragment; figures in docs/fp4.md). Everything else takes the Triton forms below.
+C++ form by default (``config={"cuda": True}``, kernels/_fp4_cuda.py: mma.sync, each lane decoding its own
+fragment; docs/fp4.md). Everything else takes the Triton forms below.
 
 The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor scale). Two forms:
 - GEMV (M=1 by default): CUDA cores. The packed bytes are read as int32 words of 8 codes and decoded by bit
@@ -19,8 +19,7 @@ The math: w[n, k] = e2m1(code[n, k]) * scale[n, k // block] (* the NVFP4 tensor 
   activations, the default for them up to M=16 with NVFP4): ``_fp4_mma.py``, the words decoded straight to
   scaled bf16 pairs and the weight as the MMA's first operand (MXFP4 only when asked: block scales up to 2^9).
 Small M splits K over several programs (fp32 partial sums added after) so that every SM has work. The NVFP4
-tensor scale is read from memory (no host sync: the call can be captured in a CUDA graph).
-"""
+tensor scale is read from memory (no host sync: the call can be captured in a CUDA graph)."""
 
 from __future__ import annotations
 
@@ -65,8 +64,8 @@ def _fp4_linear_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, y_ptr, M, N, K, K_PER_SPLIT,
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rb = tl.arange(0, BLOCK_K // 2)  # packed bytes along K: byte j holds elements 2j (low nibble) and 2j + 1
     rs = tl.arange(0, BLOCK_K // BLOCK)
-    # the tensor scale (1 for MXFP4), from memory, times the decode's factor: 1/2 (twice the values) or 2^14 (on the
-    # scale: fp16 activations would make the values subnormal; no fp32 weight has an E8M0 scale past 2^113)
+    # the tensor scale (1 for MXFP4) times the decode's factor: 1/2 or 2^14 (on the scale: fp16 activations would
+    # make the values subnormal; no fp32 weight has an E8M0 scale past 2^113)
     half_gs = (16384.0 if DECODE > 0 else 0.5) * tl.load(gs_ptr)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
@@ -258,9 +257,10 @@ def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
             or cfg["nt"] == 2 and cfg["rw"] * cfg["wk"] > 16 or int(cfg.get("async", 0)) not in (0, 1, 2)):
         raise ValueError(f"fp4_linear: CUDA form config {cfg}: nt 1 or 2 (8 nt >= M={m}), depth 2, 4, 6 or 8, "
                          "rw, wk and split_k at least 1, rw x wk warps at most 32 (16 with nt=2), rt 1, 2 or 4 "
-                         "(4 with depth 4 at most): past these the registers spill; async False, True or 2")
+                         "(4 with depth 4 at most): past these the registers spill; async False, True or 2 (x "
+                         "through the ring too)")
     static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg.get("rt", 1))
-    ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", 0)), cfg.get("rt", 1),
+    ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1),
                                 cfg["nt"])
     limit = torch.cuda.get_device_properties(x2.device).shared_memory_per_block_optin
     if static > 48 * 1024 or static + ring > limit:
