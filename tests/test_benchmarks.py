@@ -482,3 +482,33 @@ def test_the_cluster_split_variant_still_applies_to_the_kernel_source(monkeypatc
         d.source()
 
 
+
+
+def test_the_tiled_weight_variant_reads_each_rows_words_where_the_repack_put_them():
+    """``benchmarks/diag_fp4_tiled.py``: its edits find their places and change every weight pointer and step (none
+    left at the row-major 16 words a chunk), and the word its lanes read for row r, chunk c (the C expression,
+    mirrored in ``word_at``) holds row r's words of chunk c after ``tiled``'s repack, ragged rows included."""
+    from benchmarks import diag_fp4_tiled as d
+
+    s = d.source()
+    assert s.count("256 * WK * (P)") == 4 and s.count("256 * WK * DEPTH") == 2
+    assert not any(f"{p}[rt] + 16 * WK" in s or f"{p}[rt] += 16 * WK" in s for p in ("w_lo", "w_hi"))
+    assert s.count("* 256 + (c_lo & 15) * 16 + 4 * t;") == 1 and s.count("* 256 + (c_hi & 15) * 16 + 4 * t;") == 1
+    n, k = 37, 384  # three chunks; rows past 32 fill a third tile of 16 with 11 padding rows
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    words = packed.view(torch.int32)
+    t = d.tiled(packed)
+    assert t.shape == packed.shape
+    flat = torch.frombuffer(bytearray(t.untyped_storage()), dtype=torch.int32)
+    assert flat.numel() == 48 * k // 8
+    chunks = k // 128
+    for r in range(n):
+        for c in range(chunks):
+            for lane_t in range(4):
+                at = d.word_at(r, c, lane_t, chunks)
+                assert flat[at:at + 4].tolist() == words[r, 16 * c + 4 * lane_t:16 * c + 4 * lane_t + 4].tolist()
+    # one chunk step of a warp (WK chunks further) is 256 WK words, the edited pointer step
+    assert d.word_at(5, 2, 1, chunks) - d.word_at(5, 0, 1, chunks) == 256 * 2
+    # the 8 lanes g of one load (rows 8j..8j+7, t = 0..3) read 512 contiguous bytes
+    assert sorted(d.word_at(g, 1, lt, chunks) for g in range(8) for lt in range(4)) == list(
+        range(d.word_at(0, 1, 0, chunks), d.word_at(0, 1, 0, chunks) + 128, 4))
