@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from kpt_compiler.bench import git_commit, relative_error, timing_ms
 from kpt_compiler.kernels import _fp4_cuda
 from kpt_compiler.kernels import _fp4_format as fmt
-from kpt_compiler.kernels._launch import sm_count
 from kpt_compiler.kernels.fp4_linear import GEMV_MAX_M, cuda_form_fits, fp4_linear
 from kpt_compiler.lossy_guard import sqnr_db
 
@@ -179,7 +178,7 @@ def sweep(shapes, ms, device: str, rep_ms: float, top: int = 4, forms: str = "")
             t = {}
             mine = config_for(m, n, k, 16, dtype=torch.bfloat16)  # the Triton forms' heuristic
             # the CUDA form's own pick (the default where it runs), timed beside it
-            pick = _fp4_cuda.config(m, n, k, sm_count(x.device)) if cuda_form_fits(x, qs[False][0]) else None
+            pick = _fp4_cuda.pick(m, n, k, x.device) if cuda_form_fits(x, qs[False][0]) else None
             configs = [c for c in GEMV_SWEEP + DOT_SWEEP + CUDA_SWEEP
                        if family(c).startswith(tuple(forms.split(",")))]
             for cfg in configs + [mine] + ([pick] if pick else []):

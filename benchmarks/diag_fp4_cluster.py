@@ -89,7 +89,7 @@ def _targs(cfg: dict) -> str:
 
 
 def _dynamic(cfg: dict) -> int:
-    return _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg["async"]), cfg["rt"])
+    return _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg["async"]), cfg["rt"], cfg["nt"])
 
 
 def _part(cfg: dict) -> int:

@@ -155,7 +155,7 @@ def gemv(x2, q, variant, sms, pf=None, pf_mode=0, cap=0):
             args += [p0, min(p0.numel(), cap), p1, min(p1.numel(), cap * p1.numel() // p0.numel()), pf_mode]
     kernel(cfg, variant)(grid=(-(-n // (16 * rt * cfg["rw"])), split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
                          shared_mem=_fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"],
-                                                         int(cfg.get("async", False)), rt),
+                                                         int(cfg.get("async", False)), rt, cfg["nt"]),
                          args=args, stream=torch.cuda.current_stream())
     return out[0] if split == 1 else out.sum(0).to(torch.bfloat16)
 

@@ -99,7 +99,8 @@ def fp4_fixup(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
     if _COUNTERS.get("n", 0) < need:  # zeros once; each last arrival sets its counter back to 0
         _COUNTERS.update(n=need, t=torch.zeros(need, dtype=torch.int32, device=x2.device))
     _fixup_kernel(cfg)(grid=(groups, split, 1), block=(32 * cfg["rw"] * cfg["wk"], 1, 1),
-                       shared_mem=_fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg["async"]), rt),
+                       shared_mem=_fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg["async"]), rt,
+                                                       cfg["nt"]),
                        args=[x2, w, s, q.global_scale.reshape(1).float(), part, m, n, k, per, x2.stride(0),
                              w.stride(0), s.stride(0), part.stride(0), part.stride(1), 1, y, _COUNTERS["t"]],
                        stream=torch.cuda.current_stream())

@@ -17,26 +17,29 @@ import torch
 from torch import Tensor
 
 from ._fp4_cuda_source import SOURCE, chunk_from_shared, edited  # noqa: F401  (the diagnoses use them)
-from ._launch import capability
+from ._launch import capability, shared_optin, sm_count
 
 CHUNK = 128  # K elements per lane-group step: 4 lanes x 32 elements
 MAX_M = 16  # two 8-token MMA column tiles
+SM90_SHARED = 227 * 1024  # a block's shared memory with the opt-in on sm_90 (config's default)
 
 
 @functools.lru_cache(maxsize=4096)  # a call per layer and step: the same few shapes (read only: callers copy)
-def config(m: int, n: int, k: int, sms: int = 132) -> dict:
+def config(m: int, n: int, k: int, sms: int = 132, shared: int = SM90_SHARED) -> dict:
     """The launch settings for M x N x K: the register pipeline up to M=8 (the async ring with 2 row tiles a warp
     past 8 SMs' worth of row tiles), the ring from M=9 (H200, s29-s33; docs/fp4-cuda-kernel.md, "config"), with x
     copied into it too and 12 warps along K where a block an SM covers the rows and K has 48 chunks or more (H100,
     s47-s48: 4096x14336 at M=16, 0.0178 ms against 0.0205 for the ring of x in registers at 8 warps); at M=1 the
     ring at 12 warps along K where two blocks an SM cover the rows and K is as long (H100, s45-s48: 0.0148-0.0150
-    ms against 0.0150-0.0153 for the register pipeline at 8 warps, five runs)."""
+    ms against 0.0150-0.0153 for the register pipeline at 8 warps, five runs). ``shared``: a block's most shared
+    memory on the device (the x ring's pick takes 168 KB: not on sm_89 or sm_120, 99 KB)."""
     chunks = k // CHUNK
     tiles = -(-n // 16)
     rt = 4 if -(-tiles // 4) >= sms else 2
     groups = -(-tiles // rt)
     if m > 8 and groups * 8 >= 4 * sms:  # two token tiles: RT row tiles a warp through the async ring
-        if rt == 2 and groups <= sms and chunks >= 4 * 12:  # a block an SM, K long: 12 warps, x through the ring
+        xring = ring_bytes(1, 12, 2, 2, 2, 2) + static_bytes(2, 1, 12, 2)
+        if rt == 2 and groups <= sms and chunks >= 4 * 12 and xring <= shared:  # a block an SM, K long: 12 warps
             return dict(cuda=True, nt=2, rw=1, wk=12, depth=2, split_k=1, rt=2, **{"async": 2})
         wk = 1
         while wk < 8 and groups * wk * 2 <= 8 * sms and chunks >= 4 * wk:
@@ -54,6 +57,11 @@ def config(m: int, n: int, k: int, sms: int = 132) -> dict:
     if m == 1 and wk == 8 and split == 1 and tiles <= 2 * sms and chunks >= 4 * 12:  # two blocks an SM, K long
         return dict(cuda=True, nt=1, rw=1, wk=12, depth=2, split_k=1, rt=1, **{"async": True})  # s45-s48, H100
     return dict(cuda=True, nt=1 if m <= 8 else 2, rw=1, wk=wk, depth=2, split_k=split)
+
+
+def pick(m: int, n: int, k: int, device: torch.device) -> dict:
+    """``config`` for ``device``: its SMs and a block's most shared memory."""
+    return config(m, n, k, sm_count(device), shared_optin(device))
 
 
 def _key(cfg: dict, device_index: int) -> tuple:
@@ -121,12 +129,12 @@ def compiled(cfg: dict, device: torch.device) -> bool:
     return _key(cfg, device.index or 0) in _COMPILED
 
 
-def prepare(n: int, k: int, device: torch.device, sms: int) -> None:
+def prepare(n: int, k: int, device: torch.device) -> None:
     """Compile the kernels the default config picks for an N x K weight at every M up to MAX_M (M=1, which may
     have its own, and one and two 8-token tiles): the fp4 pass calls this when it compiles a graph, outside any
     capture."""
     for m in (1, 8, MAX_M):
-        _kernel(*_key(config(m, n, k, sms), device.index or 0))
+        _kernel(*_key(pick(m, n, k, device), device.index or 0))
 
 
 def available(device: torch.device) -> tuple[bool, str]:

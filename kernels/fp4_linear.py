@@ -30,7 +30,7 @@ from . import _fp4_format as fmt
 from . import _fp4_cuda
 from ._fp4_gemv import _fp4_gemv_h2_kernel, _x_at, block_scales, weight_words, x_tile
 from ._fp4_mma import _fp4_mma_kernel
-from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kernel_runs, sm_count, tl, triton
+from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kernel_runs, shared_optin, tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # what the cost model's tables are keyed by
@@ -226,7 +226,7 @@ def _loaded_or_not_capturing(x2: Tensor, q: fmt.Fp4Weight) -> bool:
     (loading one there breaks the capture); ``prepare_cuda_form`` loads them when the fp4 pass compiles."""
     if not torch.cuda.is_current_stream_capturing():
         return True
-    return _fp4_cuda.compiled(_fp4_cuda.config(x2.shape[0], q.shape[0], q.shape[1], sm_count(x2.device)), x2.device)
+    return _fp4_cuda.compiled(_fp4_cuda.pick(x2.shape[0], q.shape[0], q.shape[1], x2.device), x2.device)
 
 
 def prepare_cuda_form(n: int, k: int, dtype: torch.dtype, device: torch.device, f: fmt.Fp4Format) -> bool:
@@ -235,7 +235,7 @@ def prepare_cuda_form(n: int, k: int, dtype: torch.dtype, device: torch.device, 
     if _cuda_form_reasons(device, dtype, 1, n, k, f):
         return False
     try:
-        _fp4_cuda.prepare(n, k, device, sm_count(device))
+        _fp4_cuda.prepare(n, k, device)
     except _fp4_cuda.CompileError as e:  # a default config: the environment's fault; the Triton forms instead
         _fp4_cuda.disable(device, str(e))
         return False
@@ -250,7 +250,7 @@ def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
         raise ValueError(f"fp4_linear: {sorted(set(asked) - CUDA_KEYS)} are Triton forms' keys; the CUDA form "
                          f"takes {sorted(CUDA_KEYS)}")
     m, k = x2.shape
-    cfg = {**_fp4_cuda.config(m, q.shape[0], k, sm_count(x2.device)), **asked}
+    cfg = {**_fp4_cuda.pick(m, q.shape[0], k, x2.device), **asked}
     if (cfg["nt"] not in (1, 2) or 8 * cfg["nt"] < m or cfg["depth"] not in (2, 4, 6, 8)
             or min(cfg["rw"], cfg["wk"], cfg["split_k"]) < 1 or cfg["rw"] * cfg["wk"] > 32
             or cfg.get("rt", 1) not in (1, 2, 4) or cfg.get("rt", 1) == 4 and cfg["depth"] > 4
@@ -262,7 +262,7 @@ def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
     static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg.get("rt", 1))
     ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1),
                                 cfg["nt"])
-    limit = torch.cuda.get_device_properties(x2.device).shared_memory_per_block_optin
+    limit = shared_optin(x2.device)
     if static > 48 * 1024 or static + ring > limit:
         raise ValueError(f"fp4_linear: CUDA form config {cfg} needs {static} bytes of static and {ring} of dynamic "
                          f"shared memory; {x2.device} gives a block 48 KB static, {limit} in all")
@@ -333,7 +333,7 @@ def fp4_linear(x: Tensor, q: fmt.Fp4Weight, *, config: dict | None = None) -> Te
         return _cuda_form(x2, q, asked).reshape(*lead, n)
     if not asked and cuda_form_fits(x2, q) and _loaded_or_not_capturing(x2, q):  # the default where it fits
         try:  # its config is valid by construction: no checks a call
-            cfg = _fp4_cuda.config(m, n, k, sm_count(x2.device))
+            cfg = _fp4_cuda.pick(m, n, k, x2.device)
             return _fp4_cuda.fp4_linear_cuda(x2, q.packed, q.scales.view(torch.uint8), q.global_scale,
                                              cfg).reshape(*lead, n)
         except _fp4_cuda.CompileError as e:  # not offered on this device again; a Triton form instead

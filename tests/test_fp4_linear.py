@@ -303,8 +303,15 @@ def test_the_cuda_forms_config_follows_the_h200_sweep_and_its_keys_are_checked(m
     assert _fp4_cuda.config(1, 4096, 4096, 132) == _fp4_cuda.config(4, 4096, 4096, 132)
     built = []
     monkeypatch.setattr(_fp4_cuda, "_kernel", lambda *key: built.append(key))
-    _fp4_cuda.prepare(4096, 14336, torch.device("cuda", 0), 132)
-    assert [k[2] for k in built] == [12, 8, 12] and [k[4] for k in built] == [1, 0, 2]
+    monkeypatch.setattr(_fp4_cuda, "sm_count", lambda device: 132)
+    for shared, x_ring in ((227 * 1024, [1, 0, 2]), (99 * 1024, [1, 0, 1])):  # sm_90; sm_89 and sm_120
+        built.clear()
+        monkeypatch.setattr(_fp4_cuda, "shared_optin", lambda device, b=shared: b)
+        _fp4_cuda.prepare(4096, 14336, torch.device("cuda", 0))
+        assert [k[2] for k in built] == [12, 8, 12 if x_ring[2] == 2 else 8] and [k[4] for k in built] == x_ring
+    # the x ring's pick takes 168 KB of shared memory: where a block may not have it, the ring with x in registers
+    assert _fp4_cuda.config(16, 4096, 14336, 132, 99 * 1024) == _fp4_cuda.config(16, 4096, 4096, 132)
+    assert _fp4_cuda.ring_bytes(1, 12, 2, 2, 2, 2) + _fp4_cuda.static_bytes(2, 1, 12, 2) == 168 * 1024
     # M=9-16: the async ring with RT row tiles a warp, s31's fastest at each shape; too few rows keep one tile;
     # where a block an SM covers the rows and K has 48 chunks, x through the ring too at 12 warps along K (s48, H100)
     nine = {(n, k): _fp4_cuda.config(9, n, k, 132) for n, k in ((4096, 4096), (4096, 14336), (14336, 4096))}
