@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ._fp4_cuda_source import SOURCE, chunk_from_shared, edited  # noqa: F401  (the diagnoses use them)
-from ._launch import capability, shared_optin, sm_count
+from ._launch import _index, capability, sm_count
 
 CHUNK = 128  # K elements per lane-group step: 4 lanes x 32 elements
 MAX_M = 16  # two 8-token MMA column tiles
@@ -57,6 +57,17 @@ def config(m: int, n: int, k: int, sms: int = 132, shared: int = SM90_SHARED) ->
     if m == 1 and wk == 8 and split == 1 and tiles <= 2 * sms and chunks >= 4 * 12:  # two blocks an SM, K long
         return dict(cuda=True, nt=1, rw=1, wk=12, depth=2, split_k=1, rt=1, **{"async": True})  # s45-s48, H100
     return dict(cuda=True, nt=1 if m <= 8 else 2, rw=1, wk=wk, depth=2, split_k=split)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_optin(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def shared_optin(device: torch.device) -> int:
+    """The most shared memory a block may have on a CUDA device, in bytes, the driver's opt-in past 48 KB included
+    (227 KB on sm_90 and sm_100, 99 KB on sm_89 and sm_120)."""
+    return _shared_optin(_index(device))
 
 
 def pick(m: int, n: int, k: int, device: torch.device) -> dict:

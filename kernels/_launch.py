@@ -99,17 +99,6 @@ def sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_optin(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-
-
-def shared_optin(device: torch.device) -> int:
-    """The most shared memory a block may have on a CUDA device, in bytes, the driver's opt-in past 48 KB included
-    (227 KB on sm_90 and sm_100, 99 KB on sm_89 and sm_120)."""
-    return _shared_optin(_index(device))
-
-
-@functools.lru_cache(maxsize=None)
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 

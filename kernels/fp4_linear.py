@@ -30,7 +30,7 @@ from . import _fp4_format as fmt
 from . import _fp4_cuda
 from ._fp4_gemv import _fp4_gemv_h2_kernel, _x_at, block_scales, weight_words, x_tile
 from ._fp4_mma import _fp4_mma_kernel
-from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kernel_runs, shared_optin, tl, triton
+from ._launch import HAVE_TRITON, INTERPRETED, capability, input_precision, kernel_runs, tl, triton
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # what the cost model's tables are keyed by
@@ -262,7 +262,7 @@ def _cuda_form(x2: Tensor, q: fmt.Fp4Weight, asked: dict) -> Tensor:
     static = _fp4_cuda.static_bytes(cfg["nt"], cfg["rw"], cfg["wk"], cfg.get("rt", 1))
     ring = _fp4_cuda.ring_bytes(cfg["rw"], cfg["wk"], cfg["depth"], int(cfg.get("async", False)), cfg.get("rt", 1),
                                 cfg["nt"])
-    limit = shared_optin(x2.device)
+    limit = _fp4_cuda.shared_optin(x2.device)
     if static > 48 * 1024 or static + ring > limit:
         raise ValueError(f"fp4_linear: CUDA form config {cfg} needs {static} bytes of static and {ring} of dynamic "
                          f"shared memory; {x2.device} gives a block 48 KB static, {limit} in all")
