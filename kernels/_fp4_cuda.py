@@ -31,7 +31,7 @@ def config(m: int, n: int, k: int, sms: int = 132, shared: int = SM90_SHARED) ->
     copied into it too and 12 warps along K where a block an SM covers the rows and K has 48 chunks or more (H100,
     s47-s48: 4096x14336 at M=16, 0.0178 ms against 0.0205 for the ring of x in registers at 8 warps); at M=1 the
     ring at 12 warps along K where two blocks an SM cover the rows and K is as long (H100, s45-s48: 0.0148-0.0150
-    ms against 0.0150-0.0153 for the register pipeline at 8 warps, five runs). ``shared``: a block's most shared
+    ms against 0.0150-0.0153 for the register pipeline at 8 warps, six runs). ``shared``: a block's most shared
     memory on the device (the x ring's pick takes 168 KB: not on sm_89 or sm_120, 99 KB)."""
     chunks = k // CHUNK
     tiles = -(-n // 16)
