@@ -383,3 +383,39 @@ def test_x_through_the_ring_reads_what_it_copied_from_a_conflict_free_swizzle():
                 groups = {(256 * (8 * tile + g) + 16 * read(8 * tile + g, t, j)) // 16 % 8
                           for g in (2 * phase, 2 * phase + 1) for t in range(4)}
                 assert len(groups) == 8, (phase, j, groups)
+
+
+@pytest.mark.parametrize("nt, rw, wk, depth, rt",
+                         [(2, 1, 12, 2, 2), (1, 1, 12, 2, 1), (2, 2, 4, 4, 1), (1, 1, 3, 6, 4)])
+def test_async_2_copies_and_reads_end_inside_the_ring_bytes_the_launch_asks_for(nt, rw, wk, depth, rt):
+    """Every shared-memory address the async-2 kernel writes (cp.async of weights and of x) or reads lies inside
+    ``ring_bytes``, the dynamic shared memory the launch asks for, and the last warp's x region ends at its end (the
+    kernel's address expressions, mirrored below, are checked against the source first)."""
+    from kpt_compiler.kernels import _fp4_cuda
+
+    s = _fp4_cuda.SOURCE
+    for expr in ("shared_address(ring_all + (threadIdx.x >> 5) * DEPTH * RT * 64 + lane)",
+                 "shared_address(ring_all + RW * WK * DEPTH * RT * 64 + (threadIdx.x >> 5) * DEPTH * NT * 128)",
+                 "xdst = xbase + (lane >> 4) * 256 + ((xu ^ ((xu >> 3) << 1) ^ (lane >> 4)) << 4)",
+                 "cp_async16(ring + ((slot) * RT + rt) * 1024 + 512,",
+                 "cp_async16(xdst + (slot) * NT * 2048 + i * 512,",
+                 "for (int i = 0; i < NT * 4; ++i)", "xa[nt] = xbase + tok * 256 + 64 * t;",
+                 "xa[nt] + off + 16 * ((j + 1) ^ xc[nt])", "xa, xc, p * NT * 2048);",
+                 "load_shared(ring + (p * RT + rt) * 1024 + 512)"):
+        assert expr in s, expr
+    ends = []  # one past the last byte of each 16-byte access
+    for warp in range(rw * wk):
+        ring = warp * depth * rt * 64 * 16
+        xbase = rw * wk * depth * rt * 64 * 16 + warp * depth * nt * 128 * 16
+        for lane in range(32):
+            xu, g, t = lane & 15, lane >> 2, lane & 3
+            xdst = xbase + (lane >> 4) * 256 + ((xu ^ ((xu >> 3) << 1) ^ (lane >> 4)) << 4)
+            for slot in range(depth):
+                for r in range(rt):
+                    ends += [ring + 16 * lane + (slot * rt + r) * 1024 + half + 16 for half in (0, 512)]
+                ends += [xdst + slot * nt * 2048 + i * 512 + 16 for i in range(nt * 4)]
+                for n in range(nt):
+                    tok = n * 8 + g  # the most tokens: M = 8 NT
+                    xc = ((t >> 1) << 1) ^ (tok & 1)
+                    ends += [xbase + tok * 256 + 64 * t + slot * nt * 2048 + 16 * (j ^ xc) + 16 for j in range(4)]
+    assert min(ends) >= 16 and max(ends) == _fp4_cuda.ring_bytes(rw, wk, depth, 2, rt, nt)
