@@ -192,6 +192,33 @@ def test_a_first_call_inside_a_capture_takes_a_triton_form_and_the_capture_holds
                                                .multi_processor_count), x.device)
 
 
+def test_prepare_loads_each_m_s_own_pick_so_a_capture_takes_the_cuda_form_at_m_1_9_and_16():
+    # at 2176 x 6144 on 132 SMs M=1 picks the ring at 12 warps along K and M=9-16 x through the ring (async 2), each
+    # its own kernel: prepare_cuda_form loads all of them, so each call inside a capture takes the CUDA form
+    from kpt_compiler.kernels import _fp4_cuda
+    from kpt_compiler.kernels import fp4_linear as kernel
+
+    n, k = 2176, 6144
+    q = fmt.quantize(torch.randn(n, k, device="cuda") * 0.02)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    picks = {m: _fp4_cuda.pick(m, n, k, dev) for m in (1, 9, 16)}
+    if _fp4_cuda.sm_count(dev) != 132 or _fp4_cuda.shared_optin(dev) < 168 * 1024:
+        pytest.skip("the picks this test names are an H100's and an H200's (132 SMs, 227 KB a block)")
+    assert (picks[1]["wk"], picks[1]["async"]) == (12, True) and picks[16]["async"] == 2 == picks[9]["async"]
+    _fp4_cuda._kernel.cache_clear()
+    _fp4_cuda._COMPILED.clear()
+    assert kernel.prepare_cuda_form(n, k, torch.bfloat16, dev, fmt.NVFP4)
+    assert all(_fp4_cuda.compiled(c, dev) for c in picks.values())
+    xs = {m: torch.randn(m, k, device="cuda").bfloat16() for m in picks}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ys = {m: fp4_linear(x, q) for m, x in xs.items()}
+    graph.replay()
+    for m, x in xs.items():
+        torch.testing.assert_close(ys[m], fp4_linear(x, q, config={"cuda": True, **picks[m]}), rtol=0, atol=0)
+        torch.testing.assert_close(ys[m].float(), x.float() @ fmt.dequantize(q).T, rtol=2e-2, atol=2e-2)
+
+
 def test_the_cuda_form_is_exact_over_every_e4m3_scale():
     # y = I @ w.T = the weight: every code at every nibble, every E4M3 scale byte (subnormals 1-7 too), a
     # power-of-two tensor scale; 16 rows of the identity a call (the form takes M up to 16)
