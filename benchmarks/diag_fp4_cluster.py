@@ -110,11 +110,16 @@ def fp4_cluster(x2: torch.Tensor, q, cfg: dict) -> torch.Tensor:
 
 def configs(m: int) -> list[dict]:
     """CL 1 (the kernel as built, through the variant: the control), 2 and 4, at about one block an SM at
-    4096x14336 (128 blocks: rows a block times CL constant), the ring, 2 chunks in flight; two token tiles from M=9."""
+    4096x14336 (128 blocks: rows a block times CL constant), the ring, 2 chunks in flight; two token tiles from M=9.
+    From M=9 also x through the ring (async 2, s49): the default (CL 1, 12 warps along K, 2 row tiles a warp) and CL
+    2 at 4 row tiles a warp with 8 and 10 warps along K (12 would need 244 KB of shared memory a block)."""
     nt = 1 if m <= 8 else 2
-    rows = [(1, 1, 8, 2), (2, 1, 8, 4), (2, 2, 4, 2), (4, 2, 4, 4), (4, 4, 2, 2), (2, 1, 8, 2)]
-    return [dict(cuda=True, nt=nt, rw=rw, wk=wk, depth=2, split_k=1, rt=rt, cl=cl, **{"async": True})
-            for cl, rw, wk, rt in rows]
+    rows = [(1, 1, 8, 2, True), (2, 1, 8, 4, True), (2, 2, 4, 2, True), (4, 2, 4, 4, True), (4, 4, 2, 2, True),
+            (2, 1, 8, 2, True)]
+    if m > 8:
+        rows += [(1, 1, 12, 2, 2), (2, 1, 8, 4, 2), (2, 1, 10, 4, 2)]
+    return [dict(cuda=True, nt=nt, rw=rw, wk=wk, depth=2, split_k=1, rt=rt, cl=cl, **{"async": a})
+            for cl, rw, wk, rt, a in rows]
 
 
 def registers(cfg: dict) -> int:
@@ -127,20 +132,21 @@ def main() -> None:
     args = p.parse_args()
     n, k = (int(v) for v in args.shape.split("x"))
     if args.registers:
-        print("| M | config (cl, rw, wk, rt), the ring at depth 2 | registers | warps an SM (registers, shared memory)"
-              f" | blocks at {args.shape} |\n| --- | --- | --- | --- | --- |")
+        print("| M | config (cl, rw, wk, rt, async), the ring at depth 2 | registers | warps an SM (registers, "
+              f"shared memory) | blocks at {args.shape} |\n| --- | --- | --- | --- | --- |")
         for m in (int(v) for v in args.ms.split(",")):
             for c in configs(m):
                 r = registers(c)
                 shared = _dynamic(c) + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"]) + _part(c)
                 blocks = -(-n // (16 * c["rt"] * c["rw"])) * c["cl"]
-                print(f"| {m} | {(c['cl'], c['rw'], c['wk'], c['rt'])} | {r} | "
+                print(f"| {m} | {(c['cl'], c['rw'], c['wk'], c['rt'], int(c['async']))} | {r} | "
                       f"{warps_an_sm(r, c['rw'] * c['wk'], shared)} | {blocks} |")
         return
     t = Rows(n, k, args.rep_ms)
     for m, x, ref in t.each_m(args.ms):
         for cfg in configs(m):
-            tag = f"cl={cfg['cl']} rw={cfg['rw']} wk={cfg['wk']} rt={cfg['rt']} ring depth 2"
+            ring = "ring, x through it" if cfg["async"] == 2 else "ring"
+            tag = f"cl={cfg['cl']} rw={cfg['rw']} wk={cfg['wk']} rt={cfg['rt']} {ring} depth 2"
             if cfg["cl"] == 1:  # the as-built kernel at the same config, beside the variant's control
                 t.row(m, f"{tag}, as built", lambda q, c=cfg: _fp4_cuda.fp4_linear_cuda(
                     x, q.packed, q.scales, q.global_scale, {a: b for a, b in c.items() if a != "cl"}), ref)

@@ -460,6 +460,7 @@ def test_the_cluster_split_variant_still_applies_to_the_kernel_source(monkeypatc
     cluster: each edit must find its one place, every thread must reach the cluster's barriers (no early return
     before them), and the first block's sum must index the fp32 sums as the warps' own reduction does."""
     from benchmarks import diag_fp4_cluster as d
+    from kpt_compiler.kernels import _fp4_cuda
 
     s = d.source()
     assert "__cluster_dims__(1, CL, 1)" in s and re.search(r"int RT(, int XW)?, int CL>\n__global__", s)
@@ -476,6 +477,12 @@ def test_the_cluster_split_variant_still_applies_to_the_kernel_source(monkeypatc
                 for e in range(4):
                     env = {"i": (rt * nt_n + nt) * 4 + e, "NT": nt_n}
                     assert [eval(x.replace("/", "//"), env) for x in unpack] == [rt, nt, e]
+    # every config launches: its dynamic and static shared memory (the variant's part included) within sm_90's 227 KB
+    for m in (1, 16):
+        for c in d.configs(m):
+            assert d._dynamic(c) + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"]) + d._part(c) <= (
+                227 * 1024), c
+    assert any(c["async"] == 2 and c["cl"] == 2 for c in d.configs(16))
     broken = d.AS_BUILT.replace("  const float f = 256.f * gs[0];", "  const float f = gs[0];")
     monkeypatch.setattr(d, "AS_BUILT", broken)
     with pytest.raises(RuntimeError, match="no longer has"):
