@@ -21,6 +21,9 @@ state cannot slow the next; the record says so). ``--profile MODES`` profiles 3 
 token.
 transformers' own auto-compile of static-cache decoding is switched off (``disable_compile``): otherwise it
 wraps every mode's forward, eager included, in its own torch.compile on cuda.
+A mode name ending in ``+deferred-stop`` (``kpt+deferred-stop``: CUDA, transformers 5.24 or later) is that mode with
+every generate() call inside ``kpt_compiler.generation.deferred_stop_check()``: the stop flag read one step late, so
+the host queues the next step while the device runs this one (its tokens compared as any mode's).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import time
 import torch
 
 import kpt_compiler
+from kpt_compiler.generation import deferred_stop_check, deferred_stop_supported
 
 from . import measure, outputs
 from .run import all_modes
@@ -63,6 +67,7 @@ LOCAL_SETS = {"cudagraphs-always": {"cudagraphs": {"decide": "always"}},  # not 
               # the step (the per-layer cache updates, norms) as one launch; not yet GPU-run (s36)
               "combo": {"inductor": {"combo_kernels": True}},
               "fp4-combo": {"fp4": {"decide": "always"}, "inductor": {"combo_kernels": True}}}
+DEFERRED = "+deferred-stop"  # a mode's suffix: its generate() calls inside deferred_stop_check()
 DEFAULT_MODES = "eager,inductor,inductor-ro,kpt,kpt[no-cudagraphs],kpt[ro],kpt[cudagraphs-always]"
 NEEDS_CUDA = ("inductor-ro", "kpt[ro]", "kpt[cudagraphs-always]")
 FULL = dict(num_hidden_layers=8, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
@@ -74,6 +79,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def compile_kwargs(mode: str, device: str) -> dict | None:
+    mode = mode.removesuffix(DEFERRED)
     modes = all_modes()
     for name, options in LOCAL_SETS.items():  # option_sets.py's own set wins if it gets one of these names
         modes.setdefault(f"kpt[{name}]", {"backend": "kernelpytorch", "options": options})
@@ -106,6 +112,13 @@ def build_model(config: dict, device: str, dtype: torch.dtype):
 
 
 def skip_reason(mode: str, device: str) -> str | None:
+    if mode.endswith(DEFERRED) and device == "cpu":
+        return "skipped: the deferred stop check waits on a torch.Event, which the CPU has not"
+    if mode.endswith(DEFERRED) and not deferred_stop_supported():
+        import transformers
+
+        return f"skipped: transformers {transformers.__version__} cannot defer its stop check (5.24 or later can)"
+    mode = mode.removesuffix(DEFERRED)
     if device == "cpu" and mode in NEEDS_CUDA:
         return "skipped: needs CUDA"
     if device == "cpu" and mode.startswith("inductor"):
@@ -277,7 +290,8 @@ def table(record: dict) -> str:
     ref = record["reference"]
     lines = [f"# Decoding, {record['config_name']} Llama, batch {record['batch']}, prompt {record['prompt']}, "
              f"{record['new_tokens']} new tokens, on {record['card']}", "",
-             f"- date: {record.get('date')}; commit: {record.get('commit')}; torch {record.get('torch')}",
+             f"- date: {record.get('date')}; commit: {record.get('commit')}; torch {record.get('torch')}; "
+             f"transformers {record.get('transformers')}",
              f"- command: `{record['command']}`",
              "- ms/token: (T(new) - T(1)) / (new - 1), median over repeats [min, max]",
              "- step ms (with --step): the compiled forward alone on one decode step, back to back / waiting for "
@@ -370,7 +384,8 @@ def main(argv=None) -> int:
         row = {"mode": mode, "compile_kwargs": kwargs[mode], "status": skip_reason(mode, device) or "ok"}
         if row["status"] == "ok":
             try:
-                with torch.no_grad(), measure.fresh_caches() if kwargs[mode] else contextlib.nullcontext():
+                with torch.no_grad(), measure.fresh_caches() if kwargs[mode] else contextlib.nullcontext(), (
+                        deferred_stop_check() if mode.endswith(DEFERRED) else contextlib.nullcontext()):
                     row.update(run_mode(model, forward, ids, mode, kwargs[mode], args, device))
             except Exception as e:  # one mode's failure is a row; the others still run
                 row["status"] = measure.error_status(e)
@@ -399,7 +414,10 @@ def main(argv=None) -> int:
               "reference": args.reference, "command": command, "rows": rows}
     from kpt_compiler.bench import git_commit
 
-    record.update(date=str(__import__("datetime").date.today()), commit=git_commit(), torch=torch.__version__)
+    import transformers
+
+    record.update(date=str(__import__("datetime").date.today()), commit=git_commit(), torch=torch.__version__,
+                  transformers=transformers.__version__)
     text = table(record)
     print(text)
     outputs.write_bench(args.out, "bench_decode", record, text)

@@ -20,12 +20,15 @@ def _rows(out):
 
 def test_tiny_decode_on_cpu(tmp_path):
     out = str(tmp_path)
-    assert bench_decode.main(["--device", "cpu", "--tiny", "--modes", "eager,kpt,kpt[no-cudagraphs],inductor-ro",
-                              "--out", out]) == 0
+    assert bench_decode.main(["--device", "cpu", "--tiny", "--modes",
+                              "eager,kpt,kpt[no-cudagraphs],inductor-ro,kpt+deferred-stop", "--out", out]) == 0
     record, rows = _rows(out)
-    assert list(rows) == ["eager", "kpt", "kpt[no-cudagraphs]", "inductor-ro"]
-    assert record["reference"] == "kpt[no-cudagraphs]" and record["new_tokens"] == 8
+    assert list(rows) == ["eager", "kpt", "kpt[no-cudagraphs]", "inductor-ro", "kpt+deferred-stop"]
+    assert record["reference"] == "kpt[no-cudagraphs]" and record["new_tokens"] == 8 and record["transformers"]
     assert rows["inductor-ro"]["status"] == "skipped: needs CUDA"
+    # a mode's generate() with the stop check deferred: the mode's compile, CUDA only (it waits on an event)
+    assert rows["kpt+deferred-stop"]["status"].startswith("skipped: the deferred stop check waits on a torch.Event")
+    assert rows["kpt+deferred-stop"]["compile_kwargs"] == rows["kpt"]["compile_kwargs"]
     for mode in ("eager", "kpt", "kpt[no-cudagraphs]"):
         row = rows[mode]
         assert row["status"] == "ok", row["status"]
