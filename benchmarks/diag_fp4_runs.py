@@ -13,12 +13,14 @@ on a repacked weight, which would change the fp4 format that the Triton forms re
 RUN (chunks RUN (warp + WK j) + h, h < RUN), and one copy instruction moves 8 / RUN rows' RUN x 64 contiguous bytes
 (RUN=2: 4 rows x 128 bytes, whole 128-byte lines), landing each 16 bytes where the as-built layout has them, so the
 decode, the scales and x are as built (at the chunk's new place along K). The ring holds two runs (DEPTH = 2 RUN):
-the run after next is copied at the last chunk's turn of the run before it, and a chunk waits for its run's group
-(``cp.async.wait_group`` RUN).
+run r + 1 is copied at the turn of run r's first chunk, into run r - 1's slots, and a chunk waits for its run's group
+(``cp.async.wait_group`` RUN); since lanes read what other lanes copied, the warp meets (``__syncwarp``) after the wait
+and before each copy, as the x ring (async 2) does.
 
 A kernel-source variant, as the other diag_fp4_* (the cost model hashes the kernel's source): ``RUN`` a template
-argument after the others, async 1 only. Rows: bf16 cuBLAS, the default, and at each config the kernel as built
-(at its own depth 2) and the variant at RUN 2 and 4; every output checked against the default's.
+argument after the others, async 1 only. Rows: bf16 cuBLAS, the default, and at each config the kernel as built at
+depth 2 and at the variant's depth (2 RUN: the same chunks in flight, so that a gain is the runs', not the depth's),
+and the variant at RUN 2 and 4; every output checked against the default's.
 """
 
 from __future__ import annotations
@@ -79,7 +81,14 @@ EDITS = [
      GROUP + "  if (ASYNC) cp_async_commit();  /* a group every turn"),
     ("        xb[slot][nt][q] = load_cached(x_row[nt] + 16 * WK * (P) + q);                          \\\n",
      "        xb[slot][nt][q] = load_cached(x_row[nt] + 16 * OFF(P) + q);                            \\\n"),
-    ("        if (ASYNC) cp_async_wait<DEPTH - 1>();", "        if (ASYNC) cp_async_wait<RUN>();"),
+    ("        if (ASYNC) cp_async_wait<DEPTH - 1>();  // this chunk's group has landed: at most DEPTH - 1 pending",
+     "        if (ASYNC) cp_async_wait<RUN>();  // this chunk's run has landed: at most RUN groups pending"),
+    # a lane reads what other lanes copied, and copies over what other lanes read: the warp meets before each
+    # (as async 2 does for x)
+    ("        if (ASYNC == 2) __syncwarp();  // every lane has read the slot",
+     "        __syncwarp();  // every lane has read the slot"),
+    ("        if (ASYNC == 2) __syncwarp();  // and every lane's copies",
+     "        __syncwarp();  // and every lane's copies"),
     ("    for (int nt = 0; nt < NT; ++nt) x_row[nt] += 16 * WK * DEPTH;\n",
      "    for (int nt = 0; nt < NT; ++nt) x_row[nt] += 16 * WK * DEPTH;\n    w_run += 16 * WK * DEPTH;\n"),
     ("#undef LOAD_W\n", "#undef LOAD_W\n#undef OFF\n#undef CP_ROW\n"),
@@ -121,23 +130,23 @@ def main() -> None:
     p = arguments(__doc__, "1,16")
     args = p.parse_args()
     if args.registers:
-        print("| M | config (nt, rw, wk, depth, async, rt, run) | registers as built (depth 2) | runs | warps an SM "
-              "(runs) |\n| --- | --- | --- | --- | --- |")
+        print("| M | config (nt, rw, wk, depth, async, rt, run) | registers as built, depth 2 | as built, the same "
+              "depth | runs | warps an SM (runs) |\n| --- | --- | --- | --- | --- | --- |")
         for m in (int(v) for v in args.ms.split(",")):
             for c in configs(m):
-                built = {**c, "depth": 2}
-                r0 = sm90_registers(AS_BUILT, ", ".join(str(v) for v in _fp4_cuda._key(built, 0)[:-1]))
+                r0, rd = (sm90_registers(AS_BUILT, ", ".join(str(v) for v in _fp4_cuda._key(
+                    {**c, "depth": depth}, 0)[:-1])) for depth in (2, c["depth"]))
                 r = sm90_registers(source(), _targs(c))
                 shared = _dynamic(c) + _fp4_cuda.static_bytes(c["nt"], c["rw"], c["wk"], c["rt"])
-                print(f"| {m} | ({_targs(c)}) | {r0} | {r} | {warps_an_sm(r, c['rw'] * c['wk'], shared)} |")
+                print(f"| {m} | ({_targs(c)}) | {r0} | {rd} | {r} | {warps_an_sm(r, c['rw'] * c['wk'], shared)} |")
         return
     t = Rows(*(int(v) for v in args.shape.split("x")), args.rep_ms)
     for m, x, ref in t.each_m(args.ms):
         for cfg in configs(m):
             tag = f"rt={cfg['rt']} wk={cfg['wk']} ring"
-            if cfg["run"] == 2:
-                built = {k: v for k, v in cfg.items() if k != "run"} | {"depth": 2}
-                t.row(m, f"{tag} depth 2, as built", lambda q, c=built: _fp4_cuda.fp4_linear_cuda(
+            for depth in ((2, cfg["depth"]) if cfg["run"] == 2 else (cfg["depth"],)):
+                built = {k: v for k, v in cfg.items() if k != "run"} | {"depth": depth}
+                t.row(m, f"{tag} depth {depth}, as built", lambda q, c=built: _fp4_cuda.fp4_linear_cuda(
                     x, q.packed, q.scales, q.global_scale, c), ref)
             t.row(m, f"{tag} runs of {cfg['run']} (depth {cfg['depth']})", lambda q, c=cfg: fp4_runs(x, q, c), ref)
     t.finish(None, args.out)

@@ -521,12 +521,15 @@ def test_the_tiled_weight_variant_reads_each_rows_words_where_the_repack_put_the
         range(d.word_at(0, 1, 0, chunks), d.word_at(0, 1, 0, chunks) + 128, 4))
 
 
-@pytest.mark.parametrize("run, wk, end", [(2, 12, 112), (4, 12, 112), (2, 8, 37), (4, 3, 50), (2, 5, 9)])
-def test_the_runs_variant_lands_each_chunk_where_the_decode_reads_it_before_it_reads_it(run, wk, end):
-    """``benchmarks/diag_fp4_runs.py``: the warps' chunks (runs of RUN) cover K once; each copy (8 / RUN rows' RUN
-    x 64 contiguous bytes an instruction) lands the 16 bytes a decoding lane reads from its slot (row g, or g + 8, of
-    the chunk, bytes 16 t), in a slot whose chunk has been read, and the chunk's group is done at the wait
-    (``cp.async.wait_group RUN``). The C expressions are checked in the source, then run here in Python."""
+@pytest.mark.parametrize("run, wk, nchunks, split, rt, n", [(2, 12, 112, 1, 1, 32), (4, 12, 112, 1, 2, 64),
+                                                            (2, 8, 37, 2, 2, 27), (4, 3, 50, 3, 1, 9),
+                                                            (2, 5, 9, 1, 1, 16), (2, 4, 23, 2, 1, 5)])
+def test_the_runs_variant_lands_each_chunk_where_the_decode_reads_it_before_it_reads_it(run, wk, nchunks, split, rt, n):
+    """``benchmarks/diag_fp4_runs.py``: the warps' chunks (runs of RUN) cover each split of K once; each copy (8 / RUN
+    rows' RUN x 64 contiguous bytes an instruction, rows past N clamped) lands the 16 bytes a decoding lane reads from
+    its slot (row g, or g + 8, of each row tile, clamped as the kernel clamps them; the chunk; bytes 16 t), in a slot
+    whose chunk has been read, and the chunk's group is done at the wait (``cp.async.wait_group RUN``), ragged tails
+    included. The C expressions are checked in the source, then run here in Python over every lane."""
     from benchmarks import diag_fp4_runs as d
 
     s = d.source()
@@ -535,61 +538,75 @@ def test_the_runs_variant_lands_each_chunk_where_the_decode_reads_it_before_it_r
                  "count = RUN * runs + (tail <= 0 ? 0 : tail < RUN ? tail : RUN);",
                  "const int cp_h = (lane % (4 * RUN)) / 4;", "w + 4 * t + 16 * (first + cp_h);",
                  "const int r = k * (8 / RUN) + lane / (4 * RUN);", "(r >= 8 ? 512 : 0) + ((r & 7) * 4 + t) * 16;",
-                 "#define OFF(P) (RUN * WK * ((P) / RUN) + (P) % RUN)", "if ((P) % RUN == RUN - 1) {",
+                 "#define CP_ROW(rt, k) ((long long)min(row0 - g + 16 * (rt) + (k) * (8 / RUN) + lane / (4 * RUN), "
+                 "N - 1))", "const int row0 = (blockIdx.x * RW + rw) * 16 * RT + g;",
+                 "c_lo = r < N ? r : N - 1, c_hi = r + 8 < N ? r + 8 : N - 1;",
+                 "#define OFF(P) (RUN * WK * ((P) / RUN) + (P) % RUN)",
+                 "\\\n  if ((P) % RUN == RUN - 1) {",  # the run's copies: outside the chunk's count guard (tails)
                  "if (i0 + (P) - (RUN - 1) + cp_h < count)",
                  "(((slot) - (RUN - 1) + cp_h) * RT + rt) * 1024 + cp_dst[k]",
-                 "16 * OFF((P) - (RUN - 1))", "cp_async_wait<RUN>();", "w_run += 16 * WK * DEPTH;",
-                 "for (int p = 0; p < DEPTH - 1; ++p) { LOAD_W(p, p) }",
+                 "w_run + CP_ROW(rt, k) * stride_wn + 16 * OFF((P) - (RUN - 1))", "cp_async_wait<RUN>();",
+                 "w_run += 16 * WK * DEPTH;", "for (int p = 0; p < DEPTH - 1; ++p) { LOAD_W(p, p) }",
                  "LOAD_W((p + DEPTH - 1) % DEPTH, p + DEPTH - 1)", "s_lo[rt] + 8 * OFF(P)",
-                 "x_row[nt] + 16 * OFF(P) + q"):
+                 "x_row[nt] + 16 * OFF(P) + q",
+                 "chunk_mma<NT>(acc[rt], load_shared(ring + (p * RT + rt) * 1024),"):
         assert expr in s, expr
+    assert s.count("        __syncwarp();  //") == 2 and "if (ASYNC == 2) __syncwarp();" not in s  # the warp meets
     assert "16 * WK * (P)" not in s.replace("w_lo[rt] + 16 * WK * (P)", "").replace("w_hi[rt] + 16 * WK * (P)", "")
-    depth = 2 * run
+    depth, per_split = 2 * run, -(-nchunks // split)
 
     def off(p):
         return run * wk * (p // run) + p % run
 
     seen = []
-    for warp in range(wk):
-        first = run * warp
-        left = end - first
-        runs = (left - run) // (run * wk) + 1 if left >= run else 0
-        tail = left - run * wk * runs
-        count = run * runs + (0 if tail <= 0 else min(tail, run))
-        chunk = [first + off(i) for i in range(count)]
-        seen += chunk
-        slots, commits, w_turn = {}, [], 0  # slot -> {offset: (row, chunk, t, commit)}; w_run's turns
+    for y in range(split):
+        end = min((y + 1) * per_split, nchunks)
+        for tile0 in range(0, n, 16 * rt):  # a block's rows (RW 1)
+            for warp in range(wk):
+                first = y * per_split + run * warp
+                left = end - first
+                runs = (left - run) // (run * wk) + 1 if left >= run else 0
+                tail = left - run * wk * runs
+                count = run * runs + (0 if tail <= 0 else min(tail, run))
+                chunk = [first + off(i) for i in range(count)]
+                if tile0 == 0:
+                    seen += chunk
+                slots, commits = {}, []  # (slot, row tile) -> {byte: [row, chunk, t, commit, read]}
 
-        def invoke(slot, p, i0):
-            if p % run == run - 1:
-                for lane in range(32):
-                    h, t = lane % (4 * run) // 4, lane % 4
-                    for k in range(2 * run):
-                        if i0 + p - (run - 1) + h < count:
-                            r = k * (8 // run) + lane // (4 * run)
-                            dst = (r >= 8) * 512 + ((r & 7) * 4 + t) * 16
-                            at = slot - (run - 1) + h
-                            old = slots.get(at, {}).get(dst)
-                            assert old is None or old[4], (warp, at, dst)  # the chunk there was read first
-                            c = first + h + wk * depth * w_turn + off(p - (run - 1))
-                            slots.setdefault(at, {})[dst] = [r, c, t, len(commits), False]
-            commits.append(p)
+                def invoke(slot, p, i0, turn):
+                    if p % run == run - 1:
+                        for lane in range(32):
+                            h, t = lane % (4 * run) // 4, lane % 4
+                            for r_t in range(rt):
+                                for k in range(2 * run):
+                                    if i0 + p - (run - 1) + h < count:
+                                        r = k * (8 // run) + lane // (4 * run)
+                                        row = min(tile0 + 16 * r_t + r, n - 1)
+                                        dst = (r >= 8) * 512 + ((r & 7) * 4 + t) * 16
+                                        at = (slot - (run - 1) + h, r_t)
+                                        old = slots.get(at, {}).get(dst)
+                                        assert old is None or old[4], (warp, at, dst)  # its chunk read first
+                                        c = first + h + wk * depth * turn + off(p - (run - 1))
+                                        slots.setdefault(at, {})[dst] = [row, c, t, len(commits), False]
+                    commits.append(p)
 
-        for p in range(depth - 1):
-            invoke(p, p, 0)
-        i0 = 0
-        while i0 < count:
-            for p in range(depth):
-                if i0 + p < count:
-                    invoke((p + depth - 1) % depth, p + depth - 1, i0)
-                    for g in range(8):
-                        for t in range(4):
-                            for half, row in ((0, g), (512, g + 8)):
-                                got = slots[p][half + (4 * g + t) * 16]
-                                assert got[:3] == [row, chunk[i0 + p], t], (warp, i0 + p, g, t, got)
-                                # wait_group RUN: all but the newest RUN commits are done, the chunk's among them
-                                assert got[3] <= len(commits) - 1 - run, (warp, i0 + p, got[3], len(commits))
-                                got[4] = True
-            i0 += depth
-            w_turn += 1
-    assert sorted(seen) == list(range(end))  # every chunk once, over the warps
+                for p in range(depth - 1):
+                    invoke(p, p, 0, 0)
+                i0 = turn = 0
+                while i0 < count:
+                    for p in range(depth):
+                        if i0 + p < count:
+                            invoke((p + depth - 1) % depth, p + depth - 1, i0, turn)
+                            for r_t in range(rt):
+                                for g in range(8):
+                                    for t in range(4):
+                                        r = tile0 + g + 16 * r_t
+                                        for half, row in ((0, min(r, n - 1)), (512, min(r + 8, n - 1))):
+                                            got = slots[(p, r_t)][half + (4 * g + t) * 16]
+                                            assert got[:3] == [row, chunk[i0 + p], t], (warp, i0 + p, g, t, got)
+                                            # wait_group RUN: all but the newest RUN commits are done, its own too
+                                            assert got[3] <= len(commits) - 1 - run, (warp, i0 + p, got[3])
+                                            got[4] = True
+                    i0 += depth
+                    turn += 1
+    assert sorted(seen) == list(range(nchunks))  # every chunk once, over the splits and warps
