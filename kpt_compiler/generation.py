@@ -17,10 +17,12 @@ memory without waiting and read one step later, so the host queues step i + 1 wh
 when the flag says stop, the one step too many is undone (its tokens dropped, and the cache cropped where the cache
 outlives the call). transformers turns it on for ``mps`` only. ``deferred_stop_check()`` turns it on for the
 devices named (CUDA by default) inside the ``with`` block, keeping transformers' own conditions (no assistant
-model; a cache that can be cropped, or one that is not returned) and restoring them on exit. The tokens are the
-same as without it: only when the host learns of the stop changes. This is transformers' decision to make, and it
-is opt-in here: the context patches one static method of transformers for its duration (not thread-safe: other
-threads' ``generate()`` calls see it too).
+model; a cache that can be cropped, or one that is not returned) and restoring them on exit. Greedy decoding makes
+the same tokens as without it: only when the host learns of the stop changes. Sampling makes the same tokens too,
+but where it stops at an end-of-sequence token the undone step has drawn from the random generator, so the
+generator's state after the call differs (a later sampled call then draws differently). This is transformers'
+decision to make, and it is opt-in here: the context patches one static method of transformers for its duration
+(not thread-safe: other threads' ``generate()`` calls see it too).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Iterator
 import torch
 
 _WHERE = "transformers.generation.utils.DeferredStopCheck"
+_NO_EVENTS = ("cpu",)  # device types without torch.Event, which the deferred check waits on
 
 
 def _stop_check_class():
@@ -62,9 +65,12 @@ def deferred_stop_check(devices: tuple[str, ...] = ("cuda",)) -> Iterator[None]:
     where the installed transformers has no such check, ``ValueError`` for a device type without events (``cpu``:
     the check waits on a ``torch.Event`` of the device)."""
     devices = tuple(devices)
-    if "cpu" in devices or not devices or not all(isinstance(d, str) and d for d in devices):
-        raise ValueError(f"deferred_stop_check(devices={devices!r}): name device types with events, such as "
-                         "('cuda',) (the default); the check waits on a torch.Event, which the CPU does not have")
+    if not devices or not all(isinstance(d, str) and d and ":" not in d for d in devices):
+        raise ValueError(f"deferred_stop_check(devices={devices!r}): name device types, such as ('cuda',) (the "
+                         "default), without an index: the check applies to every device of a type")
+    if set(devices) & set(_NO_EVENTS):
+        raise ValueError(f"deferred_stop_check(devices={devices!r}): the check waits on a torch.Event, which the CPU "
+                         "does not have; name device types with events, such as ('cuda',)")
     cls = _stop_check_class()
     original = cls.__dict__["is_supported"]  # the staticmethod object itself, put back as it was
     check = original.__func__ if isinstance(original, staticmethod) else original

@@ -48,14 +48,17 @@ def test_deferred_stop_gives_the_same_tokens_under_kpt_and_its_cuda_graphs(monke
             deferred = [model.generate(ids, **kw) for _ in range(2)]
         assert len(made) == 2  # generate() took the deferred check each time
         assert all(torch.equal(p, d) for p, d in zip(plain, deferred)), (plain[0], deferred[0])
-        # the decode step's graph was captured: the deferral ran over CUDA-graph replays
-        captured = [r.pass_record("cudagraphs").stats.get("captured", 0) for r in kpt_compiler.reports()]
-        assert sum(captured) >= 1, captured
+        # the decode step's graph was captured by us (not handed to Inductor's trees, which decline a graph that
+        # writes into its inputs): the deferral ran over CUDA-graph replays
+        records = [r.pass_record("cudagraphs") for r in kpt_compiler.reports()]
+        assert any(c.status == "applied" and c.stats.get("captured", 0) >= 1
+                   and not any(n.startswith("Inductor declined") for n in c.notes) for c in records), [
+            (c.status, c.stats, c.notes) for c in records]
         # an end-of-sequence met mid-way: the deferred check learns of it a step late and undoes the extra step
         eos = int(plain[0][0, ids.shape[1] + 10])
         model.generation_config.eos_token_id = eos
         stopped = model.generate(ids, **kw)
         with deferred_stop_check():
             stopped_deferred = model.generate(ids, **kw)
-        assert torch.equal(stopped, stopped_deferred), (stopped, stopped_deferred)
+        assert len(made) == 3 and torch.equal(stopped, stopped_deferred), (made, stopped, stopped_deferred)
         assert stopped.shape[1] <= ids.shape[1] + 11 and int(stopped[0, -1]) == eos
