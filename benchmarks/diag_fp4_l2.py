@@ -55,11 +55,12 @@ HINTS = [
      '               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));',
      'asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"\n'
      '               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p), "l"(pol));'),
+    # the weights' copies take the policy through an overload; x's copies (async 2) keep the plain one
     ("__device__ __forceinline__ void cp_async16(unsigned a, const void *gmem) {",
-     "__device__ __forceinline__ void cp_async16(unsigned a, const void *gmem, unsigned long long pol) {"),
-    ('asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(a), "l"(gmem) : "memory");',
-     'asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" :: "r"(a), "l"(gmem), "l"(pol)\n'
-     '               : "memory");'),
+     "__device__ __forceinline__ void cp_async16(unsigned a, const void *gmem, unsigned long long pol) {\n"
+     '  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" :: "r"(a), "l"(gmem), "l"(pol)\n'
+     '               : "memory");\n}\n\n'
+     "__device__ __forceinline__ void cp_async16(unsigned a, const void *gmem) {"),
     ("  const int g = lane >> 2, t = lane & 3;\n",
      "  const int g = lane >> 2, t = lane & 3;\n  const unsigned long long pol = evict_first_policy();\n"),
     ("cp_async16(ring + ((slot) * RT + rt) * 1024, w_lo[rt] + 16 * WK * (P));",

@@ -438,6 +438,19 @@ def test_the_l2_diagnosis_variants_still_apply_to_the_kernel_source():
             assert "fp4_mma_sync" in d.source(*variant), (exp, name)
 
 
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="needs nvcc (the CUDA toolkit) on PATH")
+def test_the_evict_first_variants_compile_for_sm_90():
+    """The hinted variants build (nvcc, sm_90): s48's x ring (async 2) copies x with the plain two-argument
+    cp_async16, which the hint had replaced with a three-argument one, so until s49 the variants did not compile at
+    all (they would have failed on the next GPU). Every config compiles the x ring's code; one config suffices."""
+    from benchmarks import diag_fp4_l2 as d
+    from benchmarks._fp4_diag import sm90_registers
+
+    for name in ("evict-first weights", "scales too"):
+        variant = d.variants("evict-first")[name][0]
+        assert sm90_registers(d.source(*variant), "2, 1, 12, 2, 2, 2") > 0, name
+
+
 def test_the_x_pinned_bound_still_applies_to_the_kernel_source(monkeypatch):
     """``benchmarks/diag_fp4_xring.py --x-pinned`` edits the CUDA form's source into a bound (x's reads pinned to a
     warp's first chunk): each edit must still find its one place, and a kernel that lost it must say so."""
