@@ -29,4 +29,9 @@ def test_main_job_small(tmp_path):
     assert "output check: kernelpytorch" in proc.stdout and ": OK" in proc.stdout
     result = json.loads((out / "main_job.json").read_text())
     assert result["ok"] and [r["mode"] for r in result["rows"]] == ["eager", "inductor", "kernelpytorch"]
+    # timed in turn: every mode in each of the rounds, its median over them, against Inductor round by round
+    for r in result["rows"]:
+        assert len(r["ms_rounds"]) == 3 and min(r["ms_rounds"]) <= r["ms"] <= max(r["ms_rounds"]), r
+    assert result["rows"][1]["vs_inductor"] == 1.0 and result["rows"][2]["vs_inductor"] > 0
+    assert "graph(s) compiled during the timing" not in proc.stdout  # each mode kept its graphs between rounds
     assert (out / "index.html").is_file() and (out / "summary.json").is_file()
