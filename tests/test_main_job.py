@@ -32,6 +32,8 @@ def test_main_job_small(tmp_path):
     # timed in turn: every mode in each of the rounds, its median over them, against Inductor round by round
     for r in result["rows"]:
         assert len(r["ms_rounds"]) == 3 and min(r["ms_rounds"]) <= r["ms"] <= max(r["ms_rounds"]), r
-    assert result["rows"][1]["vs_inductor"] == 1.0 and result["rows"][2]["vs_inductor"] > 0
+    kpt, ind = result["rows"][2], result["rows"][1]
+    ratios = sorted(i / k for i, k in zip(ind["ms_rounds"], kpt["ms_rounds"]))
+    assert kpt["vs_inductor"] == ratios[1] and kpt["first_call_s"] > 0  # the middle round's ratio, not medians
     assert "graph(s) compiled during the timing" not in proc.stdout  # each mode kept its graphs between rounds
     assert (out / "index.html").is_file() and (out / "summary.json").is_file()
